@@ -20,22 +20,26 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _raw_backend(q):
+    # TODO(attention kernels): replace with the real backend choice once triton_backend exists.
+    if use_triton(q):
+        try:
+            from . import triton_backend
+
+            return triton_backend
+        except ImportError:
+            pass
+    return reference
+
+
 def attention_forward(q, k, v, **kw):
     """`(out, lse)` for one block of attention; kwargs as in `reference.attention_forward`."""
-    if use_triton(q):
-        from . import triton_backend
-
-        return triton_backend.forward(q, k, v, **kw)
-    return reference.attention_forward(q, k, v, **kw)
+    return _raw_backend(q).attention_forward(q, k, v, **kw)
 
 
 def attention_backward(dout, q, k, v, out, lse, **kw):
     """`(dq, dk, dv)` from the (possibly merged) out and lse; `grad_dtype=torch.float32` keeps partial sums exact."""
-    if use_triton(q):
-        from . import triton_backend
-
-        return triton_backend.backward(dout, q, k, v, out, lse, **kw)
-    return reference.attention_backward(dout, q, k, v, out, lse, **kw)
+    return _raw_backend(q).attention_backward(dout, q, k, v, out, lse, **kw)
 
 
 class _Attention(torch.autograd.Function):
@@ -68,12 +72,17 @@ def attention(
     softcap=0.0,
     alibi_slopes=None,
     return_lse=False,
+    backend="auto",
 ):
     """FlashAttention in the `[B, S, H, D]` layout (or `[T, H, D]` with `cu_seqlens_q/k`).
 
     Returns `out`, or `(out, lse)` with `return_lse=True` (lse fp32, `[B, Hq, Sq]` or `[Hq, T]`).
     The LSE is returned for composition (ring attention) and carries no gradient.
+    `backend`: "auto" (FA3 > FA4 > FA2 > own Triton on CUDA; reference on CPU unless TRITON_INTERPRET=1),
+    or one of "triton", "fa2", "fa3", "fa4", "reference" (fails clearly when missing).
     """
+    if backend not in ("auto", "reference", "triton"):  # TODO(attention kernels): FA adapters
+        raise NotImplementedError(f"attention backend {backend!r} is not available yet")
     kw = dict(
         causal=causal,
         softmax_scale=softmax_scale,
