@@ -1,0 +1,112 @@
+"""Tiny random-weight models of the six supported families, for tests (no download needed).
+
+    from tests.models import FAMILIES, tiny_config, tiny_model
+    model = tiny_model("llama", attn_implementation="fastpath")
+
+Every config: 2 layers, hidden 64, 4 query heads (head dim 16), vocab 128, 64 positions. Families:
+`llama` (GQA 4/2), `falcon` (rotary + multi-query), `falcon_gqa` (new_decoder_architecture, 2 KV heads),
+`falcon_alibi` (ALiBi, parallel attention), `gpt2` (Conv1D, scale_attn_by_inverse_layer_idx), `gpt_neox` (partial
+rotary), `gptj` (partial rotary), `gpt_bigcode` (multi-query). `overrides` are config keyword arguments, e.g.
+`tiny_config("llama", hidden_size=256, intermediate_size=512)` for group-size-128 quantization tests.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+
+# Base families (one per modeling file), then the extra Falcon variants.
+BASE_FAMILIES = ("llama", "falcon", "gpt2", "gpt_neox", "gptj", "gpt_bigcode")
+FAMILIES = BASE_FAMILIES + ("falcon_gqa", "falcon_alibi")
+
+VOCAB = 128
+HIDDEN = 64
+HEADS = 4
+LAYERS = 2
+POSITIONS = 64
+
+_CONFIGS = {
+    "llama": (
+        "LlamaConfig",
+        dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=2,
+             num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS),
+    ),
+    "falcon": (
+        "FalconConfig",
+        dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS, multi_query=True,
+             new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False,
+             max_position_embeddings=POSITIONS),
+    ),
+    "falcon_gqa": (
+        "FalconConfig",
+        dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_kv_heads=2, num_hidden_layers=LAYERS,
+             new_decoder_architecture=True, parallel_attn=True, alibi=False, bias=False,
+             max_position_embeddings=POSITIONS),
+    ),
+    "falcon_alibi": (
+        "FalconConfig",
+        dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS, multi_query=False,
+             new_decoder_architecture=False, parallel_attn=False, alibi=True, bias=True,
+             max_position_embeddings=POSITIONS),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, n_positions=POSITIONS, scale_attn_by_inverse_layer_idx=True),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+             max_position_embeddings=POSITIONS),
+    ),
+    "gptj": (
+        "GPTJConfig",
+        dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, n_positions=POSITIONS, rotary_dim=8),
+    ),
+    "gpt_bigcode": (
+        "GPTBigCodeConfig",
+        dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, n_positions=POSITIONS, multi_query=True),
+    ),
+}
+
+# Token ids 1..VOCAB-1 are "real" text; 0 is the pad/eos id for every family.
+_COMMON = dict(vocab_size=VOCAB, pad_token_id=0, eos_token_id=0, bos_token_id=0, tie_word_embeddings=False)
+
+
+def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """A fresh tiny config for `family` (see `FAMILIES`); `overrides` are config keyword arguments."""
+    if family not in _CONFIGS:
+        raise ValueError(f"Unknown family {family!r}; choose one of {', '.join(FAMILIES)}.")
+    class_name, kwargs = _CONFIGS[family]
+    kwargs = {**_COMMON, **copy.deepcopy(kwargs), **overrides}
+    # Dropout off: tests compare implementations and gradients exactly.
+    for name in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout",
+                 "hidden_dropout_prob"):
+        kwargs.setdefault(name, 0.0)
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def tiny_model(family: str, attn_implementation: str = "eager", *, seed: int = 0, dtype=torch.float32,
+               config: transformers.PretrainedConfig | None = None, **overrides) -> transformers.PreTrainedModel:
+    """A `...ForCausalLM` with seeded random weights, in eval mode. Same `seed` -> same weights, whatever the
+    attention implementation, so two models can be compared directly."""
+    config = copy.deepcopy(config) if config is not None else tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                          dtype=dtype)
+    return model.eval()
+
+
+def random_batch(batch: int = 2, seq: int = 12, *, left_pad=(), right_pad=(), seed: int = 0):
+    """`(input_ids, attention_mask)`; `left_pad`/`right_pad` give per-row pad counts (rows not listed: none)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for row, n in enumerate(left_pad):
+        mask[row, :n] = 0
+    for row, n in enumerate(right_pad):
+        if n:
+            mask[row, seq - n:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask
