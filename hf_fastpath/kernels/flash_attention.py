@@ -1,0 +1,744 @@
+"""Triton FlashAttention (forward with LSE, FA2-style backward) for dense `[B, S, H, D]` and varlen `[T, H, D]`.
+
+Semantics are those of `hf_fastpath.attention.reference` (bottom-right causal, window, softcap, ALiBi, GQA/MQA,
+empty rows -> 0 and lse = -inf). Tensors in, tensors out; the caller validates dtypes and shapes.
+
+Layout of the work:
+- forward: one program per (query block, query head, sequence); keys are visited in up to three ranges, the
+  middle one fully visible (no mask arithmetic), the outer ones masked (diagonal / window edges / sequence end).
+  Scores live in the log2 domain (log2(e) folded into the scale) so the softmax uses exp2.
+- backward: `_bwd_preprocess` (delta = rowsum(dO * O), lse in log2 domain), `_bwd_dkdv` (one program per key
+  block and KV head, looping over the query heads of its GQA group and over query blocks: dK/dV summed in
+  registers, no atomics), `_bwd_dq` (one program per query block and head, looping over key blocks).
+- short query blocks (decode) split the keys across programs and merge the partial results in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["flash_attention_forward", "flash_attention_backward"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared device helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _seq_span(b, CU, dense_len, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence b."""
+    if IS_VARLEN:
+        start = tl.load(CU + b)
+        length = tl.load(CU + b + 1) - start
+    else:  # tensors, not constexprs (a length of 1 would be specialised into a constant)
+        start = b * 0
+        length = dense_len + b * 0
+    return start, length
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp; exact limits +-1 for large |x| (exp overflows to inf -> 2/inf = 0).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _scores_log2(qk, offs_m, offs_n, diag, sm_scale, scale_log2, softcap, slope,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw dot products -> scores in the log2 domain, plus tanh(raw/softcap) for the softcap gradient."""
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s = qk * sm_scale
+        t = s
+        if HAS_SOFTCAP:
+            t = _tanh(s / softcap)
+            s = softcap * t
+        if HAS_ALIBI:
+            dist = (offs_m[:, None] + diag) - offs_n[None, :]
+            dist = tl.where(dist < 0, -dist, dist)
+            s = s - slope * dist.to(tl.float32)
+        return s * 1.4426950408889634, t
+    else:
+        return qk * scale_log2, qk
+
+
+@triton.jit
+def _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Bool [M, N]: query offs_m may see key offs_n (bottom-right aligned by `diag` = Sk - Sq)."""
+    keep = offs_n[None, :] < seqlen_k
+    if HAS_RIGHT:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag + window_right)
+    if HAS_LEFT:
+        keep = keep & (offs_n[None, :] >= offs_m[:, None] + diag - window_left)
+    return keep
+
+
+@triton.jit
+def _key_ranges(m0, seqlen_k, diag, window_left, window_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """For query rows [m0, m0+BLOCK_M): keys visited as masked [lo, a), full [a, b), masked [b, hi)."""
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + diag - window_left, 0)
+        full_lo = tl.maximum(m0 + BLOCK_M - 1 + diag - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(m0 + BLOCK_M + diag + window_right, seqlen_k)
+        full_hi = tl.maximum(tl.minimum(m0 + diag + window_right + 1, seqlen_k), 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    a = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    b = (full_hi // BLOCK_N) * BLOCK_N
+    if b <= a:  # no fully visible block: everything goes through the masked path
+        a = hi
+        b = hi
+    a = tl.maximum(a, lo)
+    return lo, a, b, hi
+
+
+@triton.jit
+def _query_ranges(n0, seqlen_q, diag, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """For key rows [n0, n0+BLOCK_N): queries visited as masked [lo, a), full [a, b), masked [b, hi)."""
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if HAS_RIGHT:
+        lo = tl.maximum(n0 - diag - window_right, 0)
+        full_lo = tl.maximum(n0 + BLOCK_N - 1 - diag - window_right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(n0 + BLOCK_N - diag + window_left, seqlen_q)
+        full_hi = tl.maximum(tl.minimum(n0 - diag + window_left + 1, seqlen_q), 0)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    a = ((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    b = (full_hi // BLOCK_M) * BLOCK_M
+    if b <= a:
+        a = hi
+        b = hi
+    a = tl.maximum(a, lo)
+    return lo, a, b, hi
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+               start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    for n0 in tl.range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt_ptrs = K_ptr + offs_n[None, :] * stride_ks + offs_dk[:, None]
+        v_ptrs = V_ptr + offs_n[:, None] * stride_vs + offs_dv[None, :]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < seqlen_k) & (offs_dk[:, None] < D_QK), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < D_V), other=0.0)
+        else:
+            if BLOCK_DK == D_QK:
+                kt = tl.load(kt_ptrs)
+            else:
+                kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
+            if BLOCK_DV == D_V:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, kt, input_precision=PREC)
+        s, _t = _scores_log2(qk, offs_m, offs_n, diag, sm_scale, scale_log2, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            keep = _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: avoid (-inf) - (-inf)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, stride_osplit, stride_lsplit,
+                stride_slope_b, dense_len_q, dense_len_k, gqa_ratio, num_splits, split_len,
+                sm_scale, scale_log2, softcap, window_left, window_right,
+                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
+    start_k, seqlen_k = _seq_span(b, CU_K, dense_len_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    kv_head = head // gqa_ratio
+    diag = seqlen_k - seqlen_q
+    b64 = b.to(tl.int64)
+    Q_ptr = Q + b64 * stride_qb + start_q.to(tl.int64) * stride_qs + head * stride_qh
+    K_ptr = K + b64 * stride_kb + start_k.to(tl.int64) * stride_ks + kv_head * stride_kh
+    V_ptr = V + b64 * stride_vb + start_k.to(tl.int64) * stride_vs + kv_head * stride_vh
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q_ptr + offs_m[:, None] * stride_qs + offs_dk[None, :],
+                mask=(offs_m[:, None] < seqlen_q) & (offs_dk[None, :] < D_QK), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + b * stride_slope_b + head).to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, a, bb, hi = _key_ranges(m0, seqlen_k, diag, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    r1_lo, r1_hi, r2_lo, r2_hi, r3_lo, r3_hi = lo, a, a, bb, bb, hi
+    if SPLIT:  # this program owns keys [s0, s1) of the sequence (split_len is a multiple of BLOCK_N)
+        s0 = split * split_len
+        s1 = s0 + split_len
+        r1_lo, r1_hi = tl.maximum(lo, s0), tl.minimum(a, s1)
+        r2_lo, r2_hi = tl.maximum(a, s0), tl.minimum(bb, s1)
+        r3_lo, r3_hi = tl.maximum(bb, s0), tl.minimum(hi, s1)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                               r1_lo, r1_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                               D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI, UPCAST, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                               r2_lo, r2_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                               D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI, UPCAST, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                               r3_lo, r3_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                               D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI, UPCAST, PREC)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    # with SPLIT, O/LSE are the fp32 partial buffers [split, B, H, Sq, (Dv)] and get merged by _combine_kernel
+    O_ptr = O + split.to(tl.int64) * stride_osplit + b64 * stride_ob + start_q.to(tl.int64) * stride_os + head * stride_oh
+    tl.store(O_ptr + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < D_V))
+    L_ptr = LSE + split.to(tl.int64) * stride_lsplit + b64 * stride_lb + head * stride_lh + start_q.to(tl.int64) * stride_ls
+    tl.store(L_ptr + offs_m * stride_ls, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _combine_kernel(O_PART, L_PART, O, LSE, num_splits, num_heads, seqlen_q,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+                    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """Merge split-KV partials of one query row r = (b * H + h) * Sq + i, in fp32; empty rows -> 0, -inf."""
+    r = tl.program_id(0)
+    rows = tl.num_programs(0)
+    i = r % seqlen_q
+    h = (r // seqlen_q) % num_heads
+    b = r // (seqlen_q * num_heads)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, BLOCK_DV)
+    lse_s = tl.load(L_PART + offs_s.to(tl.int64) * rows + r, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_use)
+    total = tl.sum(w, 0)
+    o_s = tl.load(O_PART + (offs_s.to(tl.int64)[:, None] * rows + r) * D_V + offs_d[None, :],
+                  mask=(offs_s[:, None] < num_splits) & (offs_d[None, :] < D_V), other=0.0)
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), m_use + tl.log(tl.where(total == 0.0, 1.0, total)))
+    b64 = b.to(tl.int64)
+    tl.store(O + b64 * stride_ob + i * stride_os + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
+             mask=offs_d < D_V)
+    tl.store(LSE + b64 * stride_lb + h * stride_lh + i * stride_ls, lse)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, CU_Q,
+                    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                    stride_lb, stride_lh, stride_ls, dense_len_q,
+                    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32; lse -> log2 domain with -inf (empty row) -> +inf so that P = 0 there."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < D_V)
+    rows = start_q.to(tl.int64) + offs_m
+    o = tl.load(O + b64 * stride_ob + head * stride_oh + rows[:, None] * stride_os + offs_d[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    do = tl.load(DO + b64 * stride_dob + head * stride_doh + rows[:, None] * stride_dos + offs_d[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    l_off = b64 * stride_lb + head * stride_lh + rows * stride_ls
+    lse = tl.load(LSE + l_off, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(DELTA + l_off, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+    tl.store(LSE2 + l_off, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634),
+             mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, stride_dos, stride_ls,
+                    offs_n, offs_dk, offs_dv, start, end, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap,
+                    slope, window_left, window_right,
+                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """Accumulate dK, dV of one key block over query rows [start, end); works on transposed scores [N, M]."""
+    for m0 in tl.range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q_ptrs = Q_ptr + offs_m[:, None] * stride_qs + offs_dk[None, :]
+        do_ptrs = DO_ptr + offs_m[:, None] * stride_dos + offs_dv[None, :]
+        if MASKED:
+            row_ok = offs_m < seqlen_q
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            lse2 = tl.load(L2_ptr + offs_m * stride_ls, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA_ptr + offs_m * stride_ls, mask=row_ok, other=0.0)
+        else:
+            if BLOCK_DK == D_QK:
+                q = tl.load(q_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=offs_dk[None, :] < D_QK, other=0.0)
+            if BLOCK_DV == D_V:
+                do = tl.load(do_ptrs)
+            else:
+                do = tl.load(do_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
+            lse2 = tl.load(L2_ptr + offs_m * stride_ls)
+            delta = tl.load(DELTA_ptr + offs_m * stride_ls)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [N, M]
+        # scores of the transposed block: rows are keys, columns are queries
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s = qk_t * sm_scale
+            t = s
+            if HAS_SOFTCAP:
+                t = _tanh(s / softcap)
+                s = softcap * t
+            if HAS_ALIBI:
+                dist = (offs_m[None, :] + diag) - offs_n[:, None]
+                dist = tl.where(dist < 0, -dist, dist)
+                s = s - slope * dist.to(tl.float32)
+            s = s * 1.4426950408889634
+        else:
+            s = qk_t * scale_log2
+        p_t = tl.math.exp2(s - lse2[None, :])
+        if MASKED:
+            keep = offs_m[None, :] < seqlen_q
+            if HAS_RIGHT:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + diag + window_right)
+            if HAS_LEFT:
+                keep = keep & (offs_n[:, None] >= offs_m[None, :] + diag - window_left)
+            p_t = tl.where(keep, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - t * t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES,
+                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
+                     stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, stride_ls,
+                     stride_slope_b, dense_len_q, dense_len_k, gqa_ratio,
+                     sm_scale, scale_log2, softcap, window_left, window_right,
+                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
+    start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
+    start_k, seqlen_k = _seq_span(b, CU_K, dense_len_k, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    diag = seqlen_k - seqlen_q
+    b64 = b.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_k = start_k.to(tl.int64) + offs_n
+    k_mask = (offs_n[:, None] < seqlen_k) & (offs_dk[None, :] < D_QK)
+    v_mask = (offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < D_V)
+    k = tl.load(K + b64 * stride_kb + kv_head * stride_kh + row_k[:, None] * stride_ks + offs_dk[None, :],
+                mask=k_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + row_k[:, None] * stride_vs + offs_dv[None, :],
+                mask=v_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, a, bb, hi = _query_ranges(n0, seqlen_q, diag, window_left, window_right, BLOCK_M, BLOCK_N,
+                                  HAS_LEFT, HAS_RIGHT)
+    q_row0 = b64 * stride_qb + start_q.to(tl.int64) * stride_qs
+    do_row0 = b64 * stride_dob + start_q.to(tl.int64) * stride_dos
+    l_row0 = b64 * stride_lb + start_q.to(tl.int64) * stride_ls
+    for g in range(0, gqa_ratio):  # every query head reading this KV head
+        head = kv_head * gqa_ratio + g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(SLOPES + b * stride_slope_b + head).to(tl.float32)
+        Q_ptr = Q + q_row0 + head * stride_qh
+        DO_ptr = DO + do_row0 + head * stride_doh
+        L2_ptr = LSE2 + l_row0 + head * stride_lh
+        D_ptr = DELTA + l_row0 + head * stride_lh
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
+                                 offs_n, offs_dk, offs_dv, lo, a, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
+                                 softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
+                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
+                                 offs_n, offs_dk, offs_dv, a, bb, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
+                                 softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
+                                 False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
+                                 offs_n, offs_dk, offs_dv, bb, hi, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
+                                 softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
+                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC)
+    dk = dk * sm_scale
+    tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + row_k[:, None] * stride_dks + offs_dk[None, :],
+             dk.to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + row_k[:, None] * stride_dvs + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                  start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    for n0 in tl.range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt_ptrs = K_ptr + offs_n[None, :] * stride_ks + offs_dk[:, None]
+        vt_ptrs = V_ptr + offs_n[None, :] * stride_vs + offs_dv[:, None]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < seqlen_k) & (offs_dk[:, None] < D_QK), other=0.0)
+            vt = tl.load(vt_ptrs, mask=(offs_n[None, :] < seqlen_k) & (offs_dv[:, None] < D_V), other=0.0)
+        else:
+            if BLOCK_DK == D_QK:
+                kt = tl.load(kt_ptrs)
+            else:
+                kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
+            if BLOCK_DV == D_V:
+                vt = tl.load(vt_ptrs)
+            else:
+                vt = tl.load(vt_ptrs, mask=offs_dv[:, None] < D_V, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        qk = tl.dot(q, kt, input_precision=PREC)
+        s, t = _scores_log2(qk, offs_m, offs_n, diag, sm_scale, scale_log2, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            keep = _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, vt, input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES,
+                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+                   stride_ls, stride_slope_b, dense_len_q, dense_len_k, gqa_ratio,
+                   sm_scale, scale_log2, softcap, window_left, window_right,
+                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
+    start_k, seqlen_k = _seq_span(b, CU_K, dense_len_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    kv_head = head // gqa_ratio
+    diag = seqlen_k - seqlen_q
+    b64 = b.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = start_q.to(tl.int64) + offs_m
+    row_ok = offs_m < seqlen_q
+    q_mask = row_ok[:, None] & (offs_dk[None, :] < D_QK)
+    q = tl.load(Q + b64 * stride_qb + head * stride_qh + rows[:, None] * stride_qs + offs_dk[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + head * stride_doh + rows[:, None] * stride_dos + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    l_off = b64 * stride_lb + head * stride_lh + rows * stride_ls
+    lse2 = tl.load(LSE2 + l_off, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + b * stride_slope_b + head).to(tl.float32)
+    K_ptr = K + b64 * stride_kb + start_k.to(tl.int64) * stride_ks + kv_head * stride_kh
+    V_ptr = V + b64 * stride_vb + start_k.to(tl.int64) * stride_vs + kv_head * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    lo, a, bb, hi = _key_ranges(m0, seqlen_k, diag, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                       lo, a, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                       D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                       UPCAST, PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                       a, bb, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                       D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                       UPCAST, PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                       bb, hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                       D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                       UPCAST, PREC)
+    dq = dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqs + offs_dk[None, :],
+             dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, measured on H200 (benchmarks/attention.py).
+_FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
+                256: (64, 64, 8, 2)}
+_FWD_DECODE_CONFIG = (16, 128, 4, 3)  # few query rows: memory bound, keys split across programs
+_DKDV_CONFIGS = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (32, 128, 4, 3),
+                 256: (32, 64, 8, 2)}
+_DQ_CONFIGS = {16: (128, 32, 4, 3), 32: (128, 32, 4, 3), 64: (128, 32, 4, 3), 128: (128, 32, 4, 3),
+               256: (64, 32, 8, 2)}
+_INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tiny test shape, quick to interpret
+
+# Benchmarks/tests may pin configs: {"fwd": (BM, BN, warps, stages), "dkdv": ..., "dq": ...}.
+CONFIG_OVERRIDE: dict = {}
+
+
+def _block_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _config(kind: str, block_d: int, decode: bool = False):
+    if kind in CONFIG_OVERRIDE:
+        return CONFIG_OVERRIDE[kind]
+    if _interpreting():
+        return _INTERPRET_CONFIG
+    if kind == "fwd":
+        return _FWD_DECODE_CONFIG if decode else _FWD_CONFIGS[block_d]
+    return (_DKDV_CONFIGS if kind == "dkdv" else _DQ_CONFIGS)[block_d]
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dims(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(batch, max Sq, max Sk, dense Sq, dense Sk, varlen) and the 4-D strides view [B, S, H, D] of each tensor."""
+    if cu_seqlens_q is None:
+        return q.shape[0], q.shape[1], k.shape[1], q.shape[1], k.shape[1], False
+    batch = cu_seqlens_q.numel() - 1
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if batch > 0 else 0
+    if max_seqlen_k is None:
+        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if batch > 0 else 0
+    return batch, int(max_seqlen_q), int(max_seqlen_k), 0, 0, True
+
+
+def _strides4(t, varlen):
+    """(batch, seq, head) strides; varlen tensors have no batch axis (offsets come from cu_seqlens)."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _lse_strides(lse, varlen):
+    if varlen:  # [H, T]
+        return 0, lse.stride(0), lse.stride(1)
+    return lse.stride(0), lse.stride(1), lse.stride(2)  # [B, H, S]
+
+
+def _window(causal, window_size):
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _slopes(alibi_slopes):
+    if alibi_slopes is None:
+        return None, 0
+    s = alibi_slopes.to(torch.float32).contiguous()
+    return s, (s.stride(0) if s.dim() == 2 else 0)
+
+
+def _flags(q, left, right, softcap, slopes):
+    upcast = _interpreting() and q.dtype != torch.float32  # interpreter's bf16/fp16 dot is wrong
+    return dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None,
+                UPCAST=upcast, PREC="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _num_splits(programs, seqlen_k, block_n, device):
+    if _interpreting() or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(seqlen_k, 4 * block_n), triton.cdiv(4 * sms, programs), 128))
+
+
+def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                            max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, num_splits=None):
+    """Returns `(out, lse)`: out like q with v's head dim, lse fp32 `[B, Hq, Sq]` (dense) or `[Hq, T]` (varlen).
+    `num_splits` (None = heuristic) splits the keys across programs (dense inputs only)."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    batch, mq, mk, dense_q, dense_k, varlen = _dims(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    hq, hkv, d_qk, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_qk)
+    left, right = _window(causal, window_size)
+    slopes, stride_slope_b = _slopes(alibi_slopes)
+    out = torch.empty(*q.shape[:-1], d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty((hq, q.shape[0]) if varlen else (batch, hq, mq), dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or batch == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    if k.shape[-3] == 0 and not varlen:  # no keys at all: every row is empty
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    bdk, bdv = _block_dim(d_qk), _block_dim(d_v)
+    bm, bn, warps, stages = _config("fwd", max(bdk, bdv), decode=mq <= 16)
+    programs = triton.cdiv(mq, bm) * hq * batch
+    splits = 1 if varlen else (num_splits or _num_splits(programs, mk, bn, q.device))
+    splits = max(1, min(splits, triton.cdiv(max(mk, 1), bn)))
+    split_len = triton.cdiv(triton.cdiv(max(mk, 1), splits), bn) * bn
+    splits = triton.cdiv(max(mk, 1), split_len)
+    cu_q = cu_seqlens_q if varlen else q  # unused pointer when dense
+    cu_k = cu_seqlens_k if varlen else q
+    flags = _flags(q, left, right, softcap, slopes)
+    if splits > 1:
+        o_dst = torch.empty(splits, batch, hq, mq, d_v, dtype=torch.float32, device=q.device)
+        l_dst = torch.empty(splits, batch, hq, mq, dtype=torch.float32, device=q.device)
+        o_strides = (o_dst.stride(1), o_dst.stride(3), o_dst.stride(2))
+        l_strides = (l_dst.stride(1), l_dst.stride(2), l_dst.stride(3))
+        split_strides = (o_dst.stride(0), l_dst.stride(0))
+    else:
+        o_dst, l_dst = out, lse
+        o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
+    grid = (triton.cdiv(mq, bm), hq, batch * splits)
+    _fwd_kernel[grid](
+        q, k, v, o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q,
+        *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *o_strides, *l_strides, *split_strides,
+        stride_slope_b, dense_q, dense_k, hq // hkv, splits, split_len,
+        scale, scale * LOG2E, float(softcap), left, right,
+        D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen, SPLIT=splits > 1,
+        num_warps=warps, num_stages=stages, **flags)
+    if splits > 1:
+        rows = batch * hq * mq
+        _combine_kernel[(rows,)](o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
+                                 *_lse_strides(lse, False), D_V=d_v, BLOCK_DV=bdv,
+                                 BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out, lse
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, cu_seqlens_q=None,
+                             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, grad_dtype=None):
+    """Returns `(dq, dk, dv)` shaped like q, k, v in `grad_dtype` (default q.dtype), from the given out and lse
+    (which may be merged over several key blocks, as in ring attention)."""
+    dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
+    lse = lse.to(torch.float32).contiguous()
+    batch, mq, mk, dense_q, dense_k, varlen = _dims(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    hq, hkv, d_qk, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_qk)
+    left, right = _window(causal, window_size)
+    slopes, stride_slope_b = _slopes(alibi_slopes)
+    gd = grad_dtype or q.dtype
+    dq = torch.empty(q.shape, dtype=gd, device=q.device)
+    dk = torch.empty(k.shape, dtype=gd, device=q.device)
+    dv = torch.empty(v.shape, dtype=gd, device=q.device)
+    if batch == 0 or q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    bdk, bdv = _block_dim(d_qk), _block_dim(d_v)
+    bdmax = max(bdk, bdv)
+    cu_q = cu_seqlens_q if varlen else q
+    cu_k = cu_seqlens_k if varlen else q
+    sl = slopes if slopes is not None else q
+    flags = _flags(q, left, right, softcap, slopes)
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    l_strides = _lse_strides(lse, varlen)
+    pre_bm = 64 if not _interpreting() else 16
+    _bwd_preprocess[(triton.cdiv(mq, pre_bm), hq, batch)](
+        out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
+        D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
+    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen, **flags)
+    bm, bn, warps, stages = _config("dkdv", bdmax)
+    _bwd_dkdv_kernel[(triton.cdiv(mk, bn), hkv, batch)](
+        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl,
+        *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
+        scale, scale * LOG2E, float(softcap), left, right,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    bm, bn, warps, stages = _config("dq", bdmax)
+    _bwd_dq_kernel[(triton.cdiv(mq, bm), hq, batch)](
+        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl,
+        *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+        *_strides4(dq, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
+        scale, scale * LOG2E, float(softcap), left, right,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    return dq, dk, dv
