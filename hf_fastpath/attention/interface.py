@@ -6,6 +6,7 @@ raw (non-autograd) halves that ring attention composes. Semantics are defined in
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -20,41 +21,43 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _raw_backend(q):
-    # TODO(attention kernels): replace with the real backend choice once triton_backend exists.
+def _raw_backend(q, v=None):
+    """Module computing the raw halves: own Triton kernels where they run and support the dtype/head dim, else the
+    reference (float64 inputs, e.g. in exactness tests, always take the reference)."""
     if use_triton(q):
-        try:
-            from . import triton_backend
+        from . import triton_backend
 
+        head_dim = max(q.shape[-1], v.shape[-1] if v is not None else 0)
+        if q.dtype in triton_backend.SUPPORTED_DTYPES and head_dim <= triton_backend.MAX_HEAD_DIM:
             return triton_backend
-        except ImportError:
-            pass
     return reference
 
 
 def attention_forward(q, k, v, **kw):
     """`(out, lse)` for one block of attention; kwargs as in `reference.attention_forward`."""
-    return _raw_backend(q).attention_forward(q, k, v, **kw)
+    return _raw_backend(q, v).attention_forward(q, k, v, **kw)
 
 
 def attention_backward(dout, q, k, v, out, lse, **kw):
     """`(dq, dk, dv)` from the (possibly merged) out and lse; `grad_dtype=torch.float32` keeps partial sums exact."""
-    return _raw_backend(q).attention_backward(dout, q, k, v, out, lse, **kw)
+    return _raw_backend(q, v).attention_backward(dout, q, k, v, out, lse, **kw)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kw):
-        out, lse = attention_forward(q, k, v, **kw)
+    def forward(ctx, q, k, v, kw, module):
+        out, lse = module.attention_forward(q, k, v, **kw)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kw = kw
+        ctx.module = module
+        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
-        return dq, dk, dv, None
+        dq, dk, dv = ctx.module.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
+        return dq, dk, dv, None, None
 
 
 def attention(
@@ -73,6 +76,7 @@ def attention(
     alibi_slopes=None,
     return_lse=False,
     backend="auto",
+    dropout_p=0.0,
 ):
     """FlashAttention in the `[B, S, H, D]` layout (or `[T, H, D]` with `cu_seqlens_q/k`).
 
@@ -80,19 +84,33 @@ def attention(
     The LSE is returned for composition (ring attention) and carries no gradient.
     `backend`: "auto" (FA3 > FA4 > FA2 > own Triton on CUDA; reference on CPU unless TRITON_INTERPRET=1),
     or one of "triton", "fa2", "fa3", "fa4", "reference" (fails clearly when missing).
+    `dropout_p > 0` needs FA2 (flash-attn); the other backends raise NotImplementedError.
     """
-    if backend not in ("auto", "reference", "triton"):  # TODO(attention kernels): FA adapters
-        raise NotImplementedError(f"attention backend {backend!r} is not available yet")
+    from .backends import run_backend, select_backend
+
     kw = dict(
         causal=causal,
-        softmax_scale=softmax_scale,
+        softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
-        window_size=tuple(window_size),
-        softcap=softcap,
+        window_size=tuple(int(w) for w in window_size),
+        softcap=float(softcap or 0.0),
         alibi_slopes=alibi_slopes,
     )
-    out, lse = _Attention.apply(q, k, v, kw)
+    chosen = select_backend(backend, q, k, v, kw, dropout_p)
+    if chosen.name in ("triton", "reference"):
+        module = _module_for(chosen.name)
+        out, lse = _Attention.apply(q, k, v, kw, module)
+    else:
+        out, lse = run_backend(chosen, q, k, v, kw, dropout_p, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _module_for(name):
+    if name == "triton":
+        from . import triton_backend
+
+        return triton_backend
+    return reference

@@ -1,0 +1,331 @@
+"""Which attention implementation runs: FA3 > FA4 > FA2 > own Triton kernel on CUDA; the reference on CPU.
+
+Each FlashAttention adapter maps our arguments (`reference.py` semantics, `[B, S, H, D]` or varlen `[T, H, D]`)
+onto that package's function and says which requests it cannot serve (e.g. FA3 has no ALiBi). Under "auto" an
+unsupported request falls back to the Triton kernel with a one-time warning; a forced backend raises instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "describe_backends", "select_backend", "run_backend"]
+
+BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "reference")
+_warned: set[str] = set()
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend is missing or cannot serve the request; the message says why and what to install."""
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        logger.warning(msg)
+
+
+def cuda_capability(t: torch.Tensor | None = None):
+    """(major, minor) of the tensor's CUDA device, or None off CUDA. Tests replace this to exercise FA adapters."""
+    if t is not None and not t.is_cuda:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(t.device if t is not None else None)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one attention call needs from a backend."""
+
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    varlen: bool
+    window: bool
+    softcap: bool
+    alibi: bool
+    dropout: bool
+    capability: tuple | None  # None: not on CUDA
+
+    @classmethod
+    def of(cls, q, k, v, kw, dropout_p=0.0):
+        return cls(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                   varlen=kw.get("cu_seqlens_q") is not None,
+                   window=tuple(kw.get("window_size", (-1, -1))) != (-1, -1),
+                   softcap=bool(kw.get("softcap") or 0.0), alibi=kw.get("alibi_slopes") is not None,
+                   dropout=dropout_p > 0, capability=cuda_capability(q))
+
+
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except Exception:  # ImportError, or a broken install raising at import time
+        return None
+
+
+def _as_tuple(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FlashAttention adapters
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _FlashBackend:
+    name = ""
+    module = ""
+    install = ""
+
+    def load(self):
+        return _import(self.module)
+
+    def missing(self) -> str | None:
+        """Why this backend cannot run on this machine at all (None if it can)."""
+        if self.load() is None:
+            return f"not installed ({self.install})"
+        return None
+
+    def unsupported(self, req: Request) -> str | None:
+        """Why this request cannot run here (None if it can)."""
+        if req.capability is None:
+            return "needs a CUDA device"
+        if req.dtype not in (torch.float16, torch.bfloat16):
+            return f"needs float16/bfloat16 inputs, got {req.dtype}"
+        if req.head_dim != req.head_dim_v:
+            return "needs equal q/k and v head dims"
+        return None
+
+
+class FA2Backend(_FlashBackend):
+    name = "fa2"
+    module = "flash_attn"
+    install = "pip install flash-attn --no-build-isolation"
+
+    def unsupported(self, req):
+        why = super().unsupported(req)
+        if why:
+            return why
+        if req.capability < (8, 0):
+            return f"needs sm_80 or newer, this GPU is sm_{req.capability[0]}{req.capability[1]}"
+        if req.head_dim > 256:
+            return f"supports head dims up to 256, got {req.head_dim}"
+        return None
+
+    def run(self, q, k, v, kw, dropout_p, return_lse):
+        fa = self.load()
+        common = dict(dropout_p=dropout_p, softmax_scale=kw["softmax_scale"], causal=kw["causal"],
+                      window_size=tuple(kw["window_size"]), softcap=float(kw["softcap"] or 0.0),
+                      alibi_slopes=None if kw["alibi_slopes"] is None else kw["alibi_slopes"].float(),
+                      deterministic=False, return_attn_probs=return_lse)
+        if kw["cu_seqlens_q"] is not None:
+            res = fa.flash_attn_varlen_func(q, k, v, kw["cu_seqlens_q"].to(torch.int32),
+                                            kw["cu_seqlens_k"].to(torch.int32), _max_len(kw, "q"), _max_len(kw, "k"),
+                                            **common)
+        else:
+            res = fa.flash_attn_func(q, k, v, **common)
+        res = _as_tuple(res)
+        return res[0], (res[1] if return_lse else None)  # (out, softmax_lse, S_dmask) with return_attn_probs
+
+
+class FA3Backend(_FlashBackend):
+    name = "fa3"
+    module = "flash_attn_interface"
+    install = "build flash-attention's hopper/ package: cd flash-attention/hopper && python setup.py install"
+
+    def unsupported(self, req):
+        why = super().unsupported(req)
+        if why:
+            return why
+        if req.capability[0] != 9:
+            return f"needs a Hopper GPU (sm_90), this GPU is sm_{req.capability[0]}{req.capability[1]}"
+        if req.head_dim > 256 or req.head_dim % 8:
+            return f"supports head dims that are multiples of 8 up to 256, got {req.head_dim}"
+        if req.alibi:
+            return "has no ALiBi"
+        if req.dropout:
+            return "has no dropout"
+        return None
+
+    def run(self, q, k, v, kw, dropout_p, return_lse):
+        fa = self.load()
+        common = dict(softmax_scale=kw["softmax_scale"], causal=kw["causal"], window_size=tuple(kw["window_size"]),
+                      softcap=float(kw["softcap"] or 0.0))
+        if kw["cu_seqlens_q"] is not None:
+            res = fa.flash_attn_varlen_func(q, k, v, kw["cu_seqlens_q"].to(torch.int32),
+                                            kw["cu_seqlens_k"].to(torch.int32), _max_len(kw, "q"), _max_len(kw, "k"),
+                                            return_attn_probs=return_lse, **common)
+        else:
+            res = fa.flash_attn_func(q, k, v, return_attn_probs=return_lse, **common)
+        res = _as_tuple(res)  # older FA3 builds always return (out, lse)
+        return res[0], (res[1] if return_lse else None)
+
+
+class FA4Backend(_FlashBackend):
+    name = "fa4"
+    module = "flash_attn.cute"
+    install = "pip install flash-attn-4"
+
+    def unsupported(self, req):
+        why = super().unsupported(req)
+        if why:
+            return why
+        if req.capability[0] not in (9, 10, 11):
+            return f"needs sm_90/sm_100, this GPU is sm_{req.capability[0]}{req.capability[1]}"
+        if req.head_dim > 128 or req.head_dim % 8:
+            return f"supports head dims that are multiples of 8 up to 128, got {req.head_dim}"
+        if req.alibi:
+            return "has no ALiBi"
+        if req.dropout:
+            return "has no dropout"
+        if req.softcap and req.varlen:
+            return "has no softcap backward for varlen inputs"
+        return None
+
+    def run(self, q, k, v, kw, dropout_p, return_lse):
+        fa = self.load()
+        left, right = kw["window_size"]
+        common = dict(softmax_scale=kw["softmax_scale"], causal=kw["causal"],
+                      window_size=(None if left < 0 else left, None if right < 0 else right),
+                      softcap=float(kw["softcap"] or 0.0), return_lse=return_lse)
+        if kw["cu_seqlens_q"] is not None:
+            res = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=kw["cu_seqlens_q"].to(torch.int32),
+                                            cu_seqlens_k=kw["cu_seqlens_k"].to(torch.int32),
+                                            max_seqlen_q=_max_len(kw, "q"), max_seqlen_k=_max_len(kw, "k"), **common)
+        else:
+            res = fa.flash_attn_func(q, k, v, **common)
+        res = _as_tuple(res)
+        return res[0], (res[1] if return_lse and len(res) > 1 else None)
+
+
+def _max_len(kw, which):
+    given = kw.get(f"max_seqlen_{which}")
+    if given is not None:
+        return int(given)
+    cu = kw[f"cu_seqlens_{which}"]
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# own kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class TritonBackend:
+    name = "triton"
+
+    def missing(self) -> str | None:
+        if _import("triton") is None:
+            return "not installed (pip install triton)"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        cap = cuda_capability()
+        if cap is None:
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
+        if cap < (8, 0):
+            return f"needs sm_80 or newer, this GPU is sm_{cap[0]}{cap[1]}"
+        return None
+
+    def unsupported(self, req: Request) -> str | None:
+        from .triton_backend import MAX_HEAD_DIM, SUPPORTED_DTYPES
+
+        if req.capability is None and os.environ.get("TRITON_INTERPRET") != "1":
+            return "needs a CUDA device (or TRITON_INTERPRET=1)"
+        if req.dtype not in SUPPORTED_DTYPES:
+            return f"supports float16/bfloat16/float32, got {req.dtype}"
+        if max(req.head_dim, req.head_dim_v) > MAX_HEAD_DIM:
+            return f"supports head dims up to {MAX_HEAD_DIM}"
+        if req.dropout:
+            return "has no dropout"
+        return None
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def missing(self):
+        return None
+
+    def unsupported(self, req):
+        return "has no dropout" if req.dropout else None
+
+
+_FLASH = {"fa3": FA3Backend(), "fa4": FA4Backend(), "fa2": FA2Backend()}
+_OWN = {"triton": TritonBackend(), "reference": ReferenceBackend()}
+BACKENDS = {**_FLASH, **_OWN}
+
+
+def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0):
+    """The backend object for this call. Forced names raise BackendUnavailable / NotImplementedError with the reason;
+    "auto" walks FA3 > FA4 > FA2 > Triton (CUDA or interpreter) > reference."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"Unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}.")
+    req = Request.of(q, k, v, kw, dropout_p)
+    if name != "auto":
+        backend = BACKENDS[name]
+        why = backend.missing() or backend.unsupported(req)
+        if why:
+            if req.dropout and why == "has no dropout":
+                raise NotImplementedError(f"attention backend {name!r} has no dropout; pass dropout_p=0.0 or use "
+                                          f"backend='fa2' (flash-attn) for attention dropout.")
+            raise BackendUnavailable(f"attention backend {name!r}: {why}.")
+        return backend
+    on_cuda = req.capability is not None
+    if on_cuda:
+        for fb in _FLASH.values():
+            if fb.missing():
+                continue
+            why = fb.unsupported(req)
+            if why is None:
+                return fb
+            _warn_once(f"{fb.name} {why}: using hf_fastpath's Triton kernel for these calls instead.")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    own = _OWN["triton"] if (on_cuda or interp) and _OWN["triton"].missing() is None else _OWN["reference"]
+    why = own.unsupported(req)
+    if why and own.name == "triton" and not req.dropout:
+        own = _OWN["reference"]  # e.g. float64 or huge heads: the reference still computes it
+        why = own.unsupported(req)
+    if why:
+        raise NotImplementedError(
+            f"No available attention backend supports this call ({own.name} {why}). "
+            + ("Attention dropout needs flash-attn (backend='fa2'); pass dropout_p=0.0 otherwise." if req.dropout
+               else ""))
+    return own
+
+
+def describe_backends() -> list[dict]:
+    """One dict per backend: name, available, reason (for `hf-fastpath env`)."""
+    rows = []
+    cap = cuda_capability()
+    for name, backend in BACKENDS.items():
+        why = backend.missing()
+        if why is None and name in _FLASH:
+            if cap is None:
+                why = "installed, but no CUDA device"
+            else:
+                probe = Request(torch.bfloat16, 128, 128, False, False, False, False, False, cap)
+                why = backend.unsupported(probe)
+        if why is None:
+            if name == "reference":
+                reason = "ok (plain PyTorch, any device; slow, materialises scores)"
+            elif name == "triton" and cap is None:
+                reason = "ok (TRITON_INTERPRET=1: interpreted on the CPU, slow)"
+            else:
+                reason = f"ok (sm_{cap[0]}{cap[1]})" if cap else "ok"
+            rows.append(dict(name=name, available=True, reason=reason))
+        else:
+            rows.append(dict(name=name, available=False, reason=why))
+    return rows
+
+
+def run_backend(backend, q, k, v, kw, dropout_p, return_lse):
+    """Differentiable `(out, lse or None)` through one FlashAttention backend (their own autograd)."""
+    return backend.run(q, k, v, kw, dropout_p, return_lse)
