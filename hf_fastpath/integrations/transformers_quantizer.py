@@ -1,0 +1,342 @@
+"""Transformers integration of W4A16: GPTQ / AWQ checkpoints load onto `W4A16Linear`, and `W4A16Config` quantizes.
+
+After `import hf_fastpath` (which calls `register()`):
+- a checkpoint whose config.json says `quant_method: "gptq"` (formats "gptq" v1 and "gptq_v2"; 2/3/4/8 bits; any
+  group size; desc_act) or `"awq"` (version "gemm") loads with a plain `from_pretrained(path)`, with no gptqmodel or
+  optimum installed. Its tensors land in `W4A16Linear` layers (nn.Linear, GPT-2 Conv1D and FalconLinear are replaced)
+  and AWQ's `...mlp.act.scales` in `ScaledActivation`. `save_pretrained` writes the same format back.
+- `from_pretrained(path, quantization_config=hf_fastpath.W4A16Config(...))` quantizes a float model after its weights
+  load (GPTQ, AWQ or RTN; `hf_fastpath.quantization.calibrate.quantize_model`) and saves as a standard GPTQ/AWQ model.
+
+Choosing gptqmodel instead, where it is installed: set `HF_FASTPATH_GPTQ_BACKEND=gptqmodel` (or `=fastpath` to force
+ours), or pass an explicit kernel backend, e.g. `GPTQConfig(bits=4, backend="marlin")` / `AwqConfig(backend="gemm")`:
+any backend other than "auto"/"fastpath" goes to Transformers' own GPTQ/AWQ quantizer when gptqmodel is importable
+(and falls back to hf_fastpath with a warning when it is not).
+
+How the load works: before the weights load, each quantized layer becomes `W4A16Linear.for_checkpoint(...)` whose
+buffers carry the checkpoint's names, shapes and dtypes (which layers: the `*.qweight` keys of the checkpoint files,
+else every linear outside `modules_to_not_convert` and the output embedding). Transformers copies the tensors in as
+they are (int32 stays int32); afterwards `finish_loading()` checks every shape and dtype (a wrong one raises an error
+naming the tensor and the expected shape) and converts to the kernel layout. No load op is involved, so nothing is
+cast to the wrong dtype and `save_pretrained` needs no reverse op: the layers' `state_dict()` is the checkpoint format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+
+import torch
+from torch import nn
+from transformers.quantizers import auto as quantizer_auto
+from transformers.quantizers.base import HfQuantizer
+
+from ..quantization.config import QUANT_METHOD, W4A16Config
+from ..quantization.linear import ScaledActivation, W4A16Linear
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "HF_FASTPATH_GPTQ_BACKEND"
+_ORIGINAL_QUANTIZERS: dict[str, type] = {}
+_OUR_BACKENDS = (None, "", "auto", "fastpath", "hf_fastpath")
+# AWQ models whose MLP activation is scaled before the down projection (checkpoint key `<mlp>.<act>.scales`)
+_AWQ_ACT_SCALES = {
+    "falcon": ("act", "dense_h_to_4h"),
+    "RefinedWebModel": ("act", "dense_h_to_4h"),
+    "gpt_neox": ("act", "dense_h_to_4h"),
+    "gptj": ("act", "fc_in"),
+    "gpt_bigcode": ("act", "c_fc"),
+    "starcoder2": ("act", "c_fc"),
+    "mpt": ("act", "up_proj"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# which layers, in which format
+
+
+def _load_format(config) -> tuple[str, int, int]:
+    """(format, bits, group_size) of a checkpoint described by a GPTQConfig / AwqConfig / W4A16Config."""
+    method = getattr(config.quant_method, "value", config.quant_method)
+    if method == QUANT_METHOD:
+        return config.saved_format, config.bits, config.group_size
+    if method == "awq":
+        fmt = str(getattr(getattr(config, "format", "gemm"), "value", getattr(config, "format", "gemm"))).lower()
+        if fmt != "gemm":
+            raise NotImplementedError(
+                f"AWQ checkpoint version {fmt!r} is not supported by hf_fastpath (only 'gemm'); "
+                f"install gptqmodel and set {BACKEND_ENV}=gptqmodel to load it"
+            )
+        return "awq", config.bits, config.group_size
+    fmt = (getattr(config, "format", None) or "gptq").lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise NotImplementedError(
+            f"GPTQ checkpoint_format {fmt!r} is not supported by hf_fastpath (only 'gptq' and 'gptq_v2'); "
+            f"install gptqmodel and set {BACKEND_ENV}=gptqmodel to load it"
+        )
+    return fmt, config.bits, config.group_size
+
+
+def _checkpoint_keys(checkpoint_files) -> set[str] | None:
+    """Tensor names in the checkpoint's safetensors files (headers only), or None if they cannot be read."""
+    if not checkpoint_files:
+        return None
+    keys: set[str] = set()
+    try:
+        from safetensors import safe_open
+
+        for path in checkpoint_files:
+            if not str(path).endswith(".safetensors"):
+                return None
+            with safe_open(str(path), framework="pt") as f:
+                keys.update(f.keys())
+    except Exception as error:  # unreadable header: fall back to the rule-based choice
+        logger.debug("could not list checkpoint keys: %s", error)
+        return None
+    return keys
+
+
+def _module_name_for(key_prefix: str, module_names: set[str], base_prefix: str) -> str | None:
+    """Match a checkpoint key prefix to a module name, with or without the model's base prefix."""
+    if key_prefix in module_names:
+        return key_prefix
+    if base_prefix and key_prefix.startswith(base_prefix + ".") and key_prefix[len(base_prefix) + 1:] in module_names:
+        return key_prefix[len(base_prefix) + 1:]
+    if base_prefix and f"{base_prefix}.{key_prefix}" in module_names:
+        return f"{base_prefix}.{key_prefix}"
+    return None
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of nn.Linear (FalconLinear included) or GPT-2 Conv1D; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def _matches(name: str, patterns) -> bool:
+    """`name` is one of `patterns`, or ends with / starts with one at a dot boundary."""
+    for pattern in patterns or ():
+        if name == pattern or name.endswith("." + pattern) or name.startswith(pattern + "."):
+            return True
+        if any(ch in pattern for ch in "*[]()") and re.fullmatch(pattern, name):
+            return True
+    return False
+
+
+def _skipped_modules(model, config) -> list[str]:
+    skip = list(getattr(config, "modules_to_not_convert", None) or [])
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, module in model.named_modules():
+        if output is not None and module is output:
+            skip.append(name)
+    return skip
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def replace_for_checkpoint(model: nn.Module, config, checkpoint_keys: set[str] | None = None) -> list[str]:
+    """Swap the checkpoint's quantized linears for `W4A16Linear.for_checkpoint` (and AWQ activations for
+    `ScaledActivation`). Returns the replaced module names."""
+    fmt, bits, group_size = _load_format(config)
+    modules = dict(model.named_modules())
+    base_prefix = getattr(model, "base_model_prefix", "")
+    if checkpoint_keys is not None:
+        names = {_module_name_for(k[: -len(".qweight")], set(modules), base_prefix)
+                 for k in checkpoint_keys if k.endswith(".qweight")}
+        names.discard(None)
+        with_bias = {_module_name_for(k[: -len(".bias")], set(modules), base_prefix)
+                     for k in checkpoint_keys if k.endswith(".bias")}
+    else:
+        skip = _skipped_modules(model, config)
+        names = {n for n, m in modules.items() if _linear_shape(m) is not None and not _matches(n, skip)}
+        with_bias = set()
+    replaced = []
+    for name in sorted(names):
+        module = modules[name]
+        shape = _linear_shape(module)
+        if shape is None:
+            raise ValueError(f"checkpoint has quantized tensors for '{name}', which is a {type(module).__name__}, "
+                             "not a linear layer")
+        in_features, out_features = shape
+        reference = module.weight
+        layer = W4A16Linear.for_checkpoint(
+            in_features, out_features, bits=bits, group_size=group_size,
+            bias=getattr(module, "bias", None) is not None or name in with_bias,
+            checkpoint_format=fmt, dtype=reference.dtype, device=reference.device,
+        )
+        layer._hf_fastpath_name = name
+        _set_module(model, name, layer)
+        replaced.append(name)
+    if fmt == "awq":
+        _wrap_awq_activations(model, checkpoint_keys)
+    return replaced
+
+
+def _wrap_awq_activations(model: nn.Module, checkpoint_keys: set[str] | None) -> None:
+    modules = dict(model.named_modules())
+    base_prefix = getattr(model, "base_model_prefix", "")
+    targets: dict[str, int | None] = {}
+    if checkpoint_keys is not None:
+        for key in checkpoint_keys:
+            if key.endswith(".scales") and not any(key[: -len(".scales")] + s in checkpoint_keys
+                                                   for s in (".qweight",)):
+                name = _module_name_for(key[: -len(".scales")], set(modules), base_prefix)
+                if name is not None and not isinstance(modules[name], (W4A16Linear, ScaledActivation)):
+                    targets[name] = None
+    else:
+        mapping = _AWQ_ACT_SCALES.get(getattr(model.config, "model_type", ""))
+        if mapping:
+            act_name, before = mapping
+            for name, module in modules.items():
+                if hasattr(module, act_name) and hasattr(module, before):
+                    targets[f"{name}.{act_name}" if name else act_name] = None
+    for name in targets:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        before = next((getattr(parent, b) for _, b in _AWQ_ACT_SCALES.values() if hasattr(parent, b)), None)
+        features = getattr(before, "out_features", None)
+        if features is None:
+            raise ValueError(f"cannot size the AWQ activation scales of '{name}': no up projection next to it")
+        dtype = before._compute_dtype_hint if isinstance(before, W4A16Linear) else before.weight.dtype
+        wrapped = ScaledActivation(modules[name], features, dtype=dtype, device=before.weight.device)
+        wrapped._hf_fastpath_staging = True
+        _set_module(model, name, wrapped)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Check and convert every staged layer; fill activation scales the checkpoint did not supply."""
+    for module in model.modules():
+        if isinstance(module, W4A16Linear):
+            module.finish_loading()
+        elif isinstance(module, ScaledActivation) and getattr(module, "_hf_fastpath_staging", False):
+            if not getattr(module.scales, "_is_hf_initialized", False):
+                module.scales.data.fill_(1.0)
+            del module._hf_fastpath_staging
+
+
+def set_checkpoint_format(model: nn.Module, checkpoint_format: str) -> str:
+    """Make every `W4A16Linear` save as `checkpoint_format`; GPTQ v1 falls back to "gptq_v2" (with a warning) when
+    some zero point is 0, which v1 cannot store. Returns the format used."""
+    layers = [m for m in model.modules() if isinstance(m, W4A16Linear)]
+    if checkpoint_format == "gptq" and any(bool((m.zeros < 0.5).any()) for m in layers):
+        logger.warning("some zero points are 0, which GPTQ v1 cannot store: saving as checkpoint_format='gptq_v2'")
+        checkpoint_format = "gptq_v2"
+    for layer in layers:
+        layer.checkpoint_format = checkpoint_format
+    return checkpoint_format
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the quantizer
+
+
+class W4A16Quantizer(HfQuantizer):
+    """Loads GPTQ / AWQ / fastpath_w4a16 checkpoints onto `W4A16Linear`; quantizes float models with `W4A16Config`."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self._checkpoint_keys: set[str] | None = None
+
+    def validate_environment(self, *args, **kwargs):
+        if self.pre_quantized:
+            _load_format(self.quantization_config)  # unsupported formats fail before any weight is read
+
+    def update_dtype(self, dtype):
+        return dtype
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        # Lets our own check (with a clear message) judge the shapes of the raw checkpoint tensors.
+        if not self.pre_quantized:
+            return False
+        module_name, _, tensor_name = param_name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            return False
+        return isinstance(module, W4A16Linear) and module._staging is not None and tensor_name != "bias"
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if not self.pre_quantized:
+            return model
+        keys = _checkpoint_keys(checkpoint_files)
+        replaced = replace_for_checkpoint(model, self.quantization_config, keys)
+        if not replaced:
+            logger.warning("no quantized layer found in this checkpoint: nothing was converted to W4A16Linear")
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.pre_quantized:
+            finish_loading(model)
+            return model
+        config = self.quantization_config
+        from ..quantization.calibrate import quantize_model
+
+        tokenizer = getattr(config, "tokenizer", None)
+        if tokenizer is None and getattr(model, "name_or_path", None) and config.method != "rtn":
+            tokenizer = model.name_or_path
+        quantize_model(model, config, tokenizer=tokenizer)
+        fmt = set_checkpoint_format(model, config.saved_format)
+        standard = config.standard_config(fmt if fmt != "awq" else None)
+        model.config.quantization_config = standard
+        model.quantization_method = standard.quant_method
+        return model
+
+    def is_serializable(self, safe_serialization=None):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+
+def _wants_gptqmodel(config) -> bool:
+    choice = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if choice in ("fastpath", "hf_fastpath"):
+        return False
+    if choice == "gptqmodel":
+        return True
+    if choice:
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: use 'fastpath' or 'gptqmodel'")
+    backend = getattr(config, "backend", None)
+    backend = getattr(backend, "value", backend)
+    if backend in _OUR_BACKENDS:
+        return False
+    if importlib.util.find_spec("gptqmodel") is None:
+        logger.warning("backend=%r needs gptqmodel, which is not installed: loading with hf_fastpath instead", backend)
+        return False
+    return True
+
+
+class _GPTQOrAWQQuantizer(W4A16Quantizer):
+    """Stands in `AUTO_QUANTIZER_MAPPING["gptq"/"awq"]`: hf_fastpath by default, Transformers' own on request."""
+
+    def __new__(cls, quantization_config, **kwargs):
+        method = getattr(quantization_config.quant_method, "value", quantization_config.quant_method)
+        original = _ORIGINAL_QUANTIZERS.get(method)
+        if original is not None and _wants_gptqmodel(quantization_config):
+            return original(quantization_config, **kwargs)
+        return super().__new__(cls)
+
+
+def register() -> None:
+    """Install the W4A16 quantizer in Transformers (idempotent)."""
+    if QUANT_METHOD not in quantizer_auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+        quantizer_auto.register_quantization_config(QUANT_METHOD)(W4A16Config)
+    if QUANT_METHOD not in quantizer_auto.AUTO_QUANTIZER_MAPPING:
+        quantizer_auto.register_quantizer(QUANT_METHOD)(W4A16Quantizer)
+    for method in ("gptq", "awq"):
+        current = quantizer_auto.AUTO_QUANTIZER_MAPPING.get(method)
+        if current is not _GPTQOrAWQQuantizer:
+            if current is not None:
+                _ORIGINAL_QUANTIZERS[method] = current
+            quantizer_auto.AUTO_QUANTIZER_MAPPING[method] = _GPTQOrAWQQuantizer
