@@ -1,0 +1,272 @@
+"""AWQ (Lin et al., 2023): activation-aware scaling before round-to-nearest.
+
+For each group of linears that share one input x (q/k/v after a norm; gate/up; v -> o; up -> down), input channel c is
+multiplied by s_c in the weights and divided out of the op that produces x, which leaves the float function unchanged
+but lets salient channels (large mean |x|) keep more precision after rounding. s = mean|x|^a (or the "duo" form
+mean|x|^a / mean|w|^(1-a)), a searched on a grid of 20 points in [0, 1) to minimise the error of the smallest module
+that contains the group (attention, MLP, or the linear itself). Then max |w| of each group is clipped (searched
+shrink factor) to minimise the linear's output error, and the weights are rounded asymmetrically.
+
+Scales fold into: a norm's weight (+ bias); the previous linear's output rows (v -> o, up -> down); or, after a
+non-linear activation (GELU...), a `ScaledActivation` that divides the activation's output (saved as `act.scales`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_features,
+                     linear_weight, scale_partner, set_linear_weight, set_submodule)
+from .rtn import fake_quantize_grouped, resolve_group_size
+
+logger = logging.getLogger(__name__)
+
+# Linears whose outputs form attention scores: clipping them hurts (AWQ skips their clip search).
+NO_CLIP = ("q_proj", "k_proj", "query", "key", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
+
+
+@dataclass
+class AWQSettings:
+    bits: int = 4
+    group_size: int = 128
+    n_grid: int = 20
+    duo_scaling: bool = True  # also try s = x^a / w^(1-a); keep whichever form is better
+    max_shrink: float = 0.5
+    clip_tokens: int = 512  # input tokens sampled for the clip search
+    search_tokens: int | None = None  # cap on tokens used by the scale search (None: all calibration tokens)
+    clip: bool = True  # run the clip search after folding the scales
+
+
+def _lowest_common_parent(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    prefix = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        prefix.append(level[0])
+    return ".".join(prefix)
+
+
+def _inspect_module_name(group: InputGroup) -> str:
+    """The smallest module whose output reflects the whole effect of the group's rounding."""
+    if len(group.names) == 1:
+        name = group.names[0]
+        # A single fused qkv after a norm: judge at the attention output (softmax included), like q/k/v.
+        if group.producer_kind == "norm" and "." in name:
+            return name.rpartition(".")[0]
+        return name
+    return _lowest_common_parent(group.names)
+
+
+def _trim(batches: BlockInputs, max_tokens: int | None) -> BlockInputs:
+    if max_tokens is None:
+        return batches
+    out = BlockInputs()
+    total = 0
+    for h, kw in zip(batches.hidden, batches.kwargs):
+        if total >= max_tokens:
+            break
+        out.hidden.append(h)
+        out.kwargs.append(kw)
+        total += h.shape[0] * h.shape[1] if h.dim() == 3 else h.shape[0]
+    return out
+
+
+@torch.no_grad()
+def _capture_group(block, inputs: BlockInputs, linears, group: InputGroup, inspect_name: str):
+    """Per batch: the inspect module's (args, kwargs) and float output; the channel means of |x|; sampled x rows."""
+    inspect = block.get_submodule(inspect_name) if inspect_name else block
+    first = linears[group.names[0]]
+    records, outputs = [], []
+    abs_sum, count = None, 0
+    xs = []
+
+    def grab_in(module, args, kwargs):
+        records.append((args, kwargs))
+
+    def grab_out(module, args, output):
+        outputs.append(block_output(output))
+        raise StopForward
+
+    def grab_x(module, args):
+        nonlocal abs_sum, count
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        s = x.abs().sum(0)
+        abs_sum = s if abs_sum is None else abs_sum + s
+        count += x.shape[0]
+        xs.append(x)
+
+    handles = [first.register_forward_pre_hook(grab_x)]
+    if inspect is block:
+        records = [((h,), kw) for h, kw in zip(inputs.hidden, inputs.kwargs)]
+        for h, kw in zip(inputs.hidden, inputs.kwargs):
+            try:
+                outputs.append(block_output(block(h, **kw)))
+            except StopForward:
+                pass
+    else:
+        handles += [inspect.register_forward_pre_hook(grab_in, with_kwargs=True),
+                    inspect.register_forward_hook(grab_out)]
+        for h, kw in zip(inputs.hidden, inputs.kwargs):
+            try:
+                block(h, **kw)
+            except StopForward:
+                pass
+    for handle in handles:
+        handle.remove()
+    return inspect, records, outputs, abs_sum / max(count, 1), torch.cat(xs)
+
+
+@torch.no_grad()
+def _search_scales(inspect, records, outputs, x_mean, linears, names, settings: AWQSettings):
+    weights = {n: linear_weight(linears[n]).detach().float().clone() for n in names}
+    stacked = torch.cat([weights[n] for n in names])
+    gs = resolve_group_size(settings.group_size, stacked.shape[1])
+    w_abs = stacked.abs().reshape(-1, gs)
+    w_mean = (w_abs / (w_abs.amax(dim=1, keepdim=True) + 1e-6)).reshape(stacked.shape).mean(0)
+    x_mean = x_mean.to(stacked.device)
+
+    def loss_for(scales):
+        for n in names:
+            w = weights[n] * scales
+            set_linear_weight(linears[n], fake_quantize_grouped(w, settings.bits, settings.group_size, False) / scales)
+        total = 0.0
+        for (args, kwargs), ref in zip(records, outputs):
+            out = block_output(inspect(*args, **kwargs))
+            total += (out.float() - ref.float()).pow(2).sum().item()
+        return total
+
+    forms = ["plain", "duo"] if settings.duo_scaling else ["plain"]
+    best = (float("inf"), None, None)
+    for form in forms:
+        for i in range(settings.n_grid):
+            a = i / settings.n_grid
+            if form == "duo":
+                s = (x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4)).clamp(min=1e-4)
+            else:
+                s = x_mean.pow(a).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            loss = loss_for(s)
+            if loss < best[0]:
+                best = (loss, s.clone(), (form, a))
+    for n in names:  # restore the float weights; the caller folds the chosen scales in
+        set_linear_weight(linears[n], weights[n])
+    logger.debug("AWQ %s: best %s alpha=%.2f", names, *best[2])
+    return best[1], best[2]
+
+
+@torch.no_grad()
+def fold_scales(block: nn.Module, linears: dict[str, nn.Module], group: InputGroup, producer: str,
+                producer_kind: str, scales: torch.Tensor) -> None:
+    """Multiply the group's input channels by `scales` in its linears and divide them out of the producer."""
+    prod = block.get_submodule(producer)
+    if producer_kind == "norm":
+        prod.weight.div_(scales.to(prod.weight.dtype))
+        if getattr(prod, "bias", None) is not None:
+            prod.bias.div_(scales.to(prod.bias.dtype))
+    elif producer_kind == "linear":
+        w = linear_weight(prod)
+        set_linear_weight(prod, w.float() / scales[:, None].to(w.device))
+        if getattr(prod, "bias", None) is not None:
+            prod.bias.div_(scales.to(prod.bias.dtype))
+    elif producer_kind == "activation":
+        from .linear import ScaledActivation
+
+        if isinstance(prod, ScaledActivation):
+            prod.scales.mul_(scales.to(prod.scales.dtype))
+        else:
+            dtype = linear_weight(linears[group.names[0]]).dtype
+            wrapped = ScaledActivation(prod, scales.numel(), dtype=dtype, device=scales.device)
+            wrapped.scales.copy_(scales.to(dtype))
+            set_submodule(block, producer, wrapped)
+    else:
+        raise ValueError(f"cannot fold AWQ scales into {producer} ({producer_kind})")
+    for n in group.names:
+        w = linear_weight(linears[n])
+        set_linear_weight(linears[n], w.float() * scales[None, :].to(w.device))
+
+
+@torch.no_grad()
+def _search_clip(weight: torch.Tensor, x: torch.Tensor, settings: AWQSettings) -> torch.Tensor:
+    """Per (output row, group): the max |w| that minimises the group's contribution error on sampled inputs."""
+    rows, cols = weight.shape
+    gs = resolve_group_size(settings.group_size, cols)
+    groups = cols // gs
+    if x.shape[0] > settings.clip_tokens:
+        idx = torch.linspace(0, x.shape[0] - 1, settings.clip_tokens, device=x.device).long()
+        x = x[idx]
+    xg = x.to(weight.device).reshape(-1, groups, gs)  # [T, G, gs]
+    best_max = torch.empty(rows, groups, device=weight.device)
+    chunk = max(1, 2**24 // max(1, xg.shape[0] * groups * gs))
+    for r0 in range(0, rows, chunk):
+        w = weight[r0:r0 + chunk].reshape(-1, groups, gs)  # [R, G, gs]
+        ref = torch.einsum("tgk,rgk->rtg", xg, w)
+        org_max = w.abs().amax(dim=-1)  # [R, G]
+        best_err = torch.full_like(org_max, float("inf"))
+        best = org_max.clone()
+        for i in range(int(settings.max_shrink * settings.n_grid)):
+            m = org_max * (1 - i / settings.n_grid)
+            wc = torch.maximum(torch.minimum(w, m[..., None]), -m[..., None])
+            q = fake_quantize_grouped(wc.reshape(w.shape[0], -1), settings.bits, settings.group_size, False)
+            err = (torch.einsum("tgk,rgk->rtg", xg, q.reshape(w.shape)) - ref).pow(2).mean(dim=1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, m, best)
+        best_max[r0:r0 + chunk] = best
+    return best_max
+
+
+def _apply_clip(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) -> torch.Tensor:
+    rows, cols = weight.shape
+    gs = resolve_group_size(group_size, cols)
+    w = weight.reshape(rows, cols // gs, gs)
+    m = max_val[..., None]
+    return torch.maximum(torch.minimum(w, m), -m).reshape(rows, cols)
+
+
+@torch.no_grad()
+def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Module], settings: AWQSettings) -> list[str]:
+    """Search and fold AWQ scales, then clip, for one block (weights stay float; the caller rounds them).
+
+    Returns a short description per group for logging.
+    """
+    search_inputs = _trim(inputs, settings.search_tokens)
+    groups = input_groups(block, linears, inputs.hidden[0], inputs.kwargs[0])
+    report = []
+    for group in groups:
+        producer, kind = group.producer, group.producer_kind
+        if producer is None and len(group.names) == 1:
+            partner = scale_partner(group.names[0], linears)
+            if partner is not None:
+                producer, kind = partner, "linear"
+        if producer is None:
+            report.append(f"{'+'.join(group.names)}: no foldable producer, clip only")
+            continue
+        inspect_name = _inspect_module_name(group)
+        inspect, records, outputs, x_mean, _ = _capture_group(block, search_inputs, linears, group, inspect_name)
+        scales, (form, alpha) = _search_scales(inspect, records, outputs, x_mean, linears, group.names, settings)
+        fold_scales(block, linears, group, producer, kind, scales)
+        report.append(f"{'+'.join(group.names)} <- {producer}: {form} alpha={alpha:.2f}")
+        del records, outputs
+
+    # Clip search on the inputs as they are after every fold.
+    for group in groups if settings.clip else ():
+        clip_names = [n for n in group.names if not any(n.rpartition(".")[2] == s for s in NO_CLIP)]
+        if not clip_names:
+            continue
+        _, _, _, _, x = _capture_group(block, _trim(inputs, settings.clip_tokens * 4), linears, group,
+                                       group.names[0])
+        for n in clip_names:
+            w = linear_weight(linears[n]).detach().float()
+            max_val = _search_clip(w, x, settings)
+            set_linear_weight(linears[n], _apply_clip(w, max_val, settings.group_size))
+    return report
+
+
+def check_features(linears: dict[str, nn.Module], group_size: int) -> None:
+    for name, m in linears.items():
+        resolve_group_size(group_size, linear_features(m)[0])
