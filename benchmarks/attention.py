@@ -1,0 +1,379 @@
+"""Attention benchmark: hf_fastpath's Triton FlashAttention against SDPA (FLASH and cuDNN backends) and
+flex_attention, measured in the same process with `triton.testing.do_bench` (median).
+
+    python benchmarks/attention.py                 # correctness check, then every case; JSON to benchmarks/results
+    python benchmarks/attention.py --sweep         # also time candidate kernel configs (block sizes, warps, stages)
+    python benchmarks/attention.py --plot FILE     # PNG from a results JSON (no GPU needed)
+
+Cases: 16k tokens per batch (batch = 16384 / seq), seq 1k-16k, head dim 64/128/256 with 32/16/8 heads
+(model dim 2048), causal and not; forward and forward+backward TFLOP/s (fwd = 4*B*H*S^2*D, half when causal;
+fwd+bwd = 3.5x fwd). Decode: 1 query, GQA 32/8 heads, hd128, KV 8k-64k, GB/s of K/V read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+_REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _REPO)
+try:
+    import hf_fastpath  # noqa: F401
+except Exception as _e:  # a half-finished integration must not stop the kernel benchmark
+    import types
+
+    print(f"warning: import hf_fastpath failed ({type(_e).__name__}: {_e}); loading the attention package alone",
+          flush=True)
+    _pkg = types.ModuleType("hf_fastpath")
+    _pkg.__path__ = [os.path.join(_REPO, "hf_fastpath")]
+    sys.modules["hf_fastpath"] = _pkg
+
+TOKENS = 16384
+SEQS = (1024, 2048, 4096, 8192, 16384)
+HEADS = {64: 32, 128: 16, 256: 8}
+DECODE_KV = (8192, 16384, 32768, 65536)
+DECODE_BATCH = 4
+
+
+def _log(*a):
+    print(*a, flush=True)
+
+
+def attn_flops(b, h, sq, sk, d, causal, mode):
+    f = 4 * b * h * sq * sk * d
+    if causal:
+        f /= 2
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# implementations, all taking [B, S, H, D] tensors
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ours(q, k, v, causal):
+    from hf_fastpath.attention import attention
+
+    return attention(q, k, v, causal=causal, backend="triton")
+
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        with sdpa_kernel([backend]):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                               enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
+
+    return run
+
+
+_FLEX = {}
+
+
+def flex(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    key = (q.shape[1], k.shape[1], causal)
+    if key not in _FLEX:
+        if causal:
+            off = k.shape[1] - q.shape[1]
+            _FLEX[key] = create_block_mask(lambda b, h, i, j: j <= i + off, None, None, q.shape[1], k.shape[1],
+                                           device=q.device)
+        else:
+            _FLEX[key] = None
+    o = _FLEX["fn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=_FLEX[key],
+                    enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+PEERS = {"sdpa_flash": _sdpa("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"), "flex": flex}
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, native_bhsd=False, requires_grad=False):
+    def make(s, h):
+        if native_bhsd:  # allocate [B, H, S, D] and view as [B, S, H, D]
+            t = torch.randn(b, h, s, d, device="cuda", dtype=dtype).transpose(1, 2)
+        else:
+            t = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+        return t.requires_grad_(requires_grad)
+
+    return make(sq, hq), make(sk, hkv), make(sk, hkv)
+
+
+def bench_case(fn, b, sq, sk, hq, hkv, d, causal, mode, native_bhsd):
+    from triton.testing import do_bench
+
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, native_bhsd=native_bhsd, requires_grad=mode == "fwd+bwd")
+    if mode == "fwd":
+        with torch.no_grad():
+            return do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=40, return_mode="median")
+    dout = torch.randn(b, sq, hq, d, device="cuda", dtype=q.dtype)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v, causal).backward(dout)
+
+    return do_bench(step, warmup=10, rep=40, return_mode="median")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# correctness
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def correctness():
+    """Ours (bf16) against fp32 math on the GPU; errors must be within bf16 rounding."""
+    from hf_fastpath.attention import attention
+    from hf_fastpath.attention.reference import attention_forward as ref_fwd
+
+    cases = [
+        dict(b=2, sq=1000, sk=1000, hq=8, hkv=8, d=128, causal=True),
+        dict(b=2, sq=777, sk=777, hq=8, hkv=2, d=64, causal=False),
+        dict(b=1, sq=300, sk=1300, hq=8, hkv=1, d=256, causal=True),
+        dict(b=1, sq=1300, sk=300, hq=4, hkv=4, d=96, causal=True),
+        dict(b=2, sq=513, sk=513, hq=4, hkv=2, d=80, causal=True, window_size=(100, 0)),
+        dict(b=2, sq=513, sk=513, hq=4, hkv=4, d=128, causal=True, softcap=30.0),
+        dict(b=2, sq=513, sk=513, hq=4, hkv=4, d=64, causal=True, alibi=True),
+        dict(b=1, sq=1, sk=40000, hq=32, hkv=8, d=128, causal=True),
+    ]
+    results = []
+    for c in cases:
+        c = dict(c)
+        alibi = c.pop("alibi", False)
+        extra = {k: c.pop(k) for k in ("window_size", "softcap") if k in c}
+        b, sq, sk, hq, hkv, d, causal = (c[x] for x in ("b", "sq", "sk", "hq", "hkv", "d", "causal"))
+        q, k, v = _inputs(b, sq, sk, hq, hkv, d, requires_grad=True)
+        if alibi:
+            extra["alibi_slopes"] = torch.rand(hq, device="cuda")
+        out, lse = attention(q, k, v, causal=causal, return_lse=True, backend="triton", **extra)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ro, rl = ref_fwd(qf, kf, vf, causal=causal, **extra)
+        ro.backward(dout.float())
+        err = {
+            "out": (out.float() - ro).abs().max().item(),
+            "lse": (lse - rl).abs().max().item(),
+            "dq": (q.grad.float() - qf.grad).abs().max().item() / max(qf.grad.abs().max().item(), 1e-6),
+            "dk": (k.grad.float() - kf.grad).abs().max().item() / max(kf.grad.abs().max().item(), 1e-6),
+            "dv": (v.grad.float() - vf.grad).abs().max().item() / max(vf.grad.abs().max().item(), 1e-6),
+        }
+        ok = err["out"] < 3e-2 and err["lse"] < 1e-2 and max(err["dq"], err["dk"], err["dv"]) < 3e-2
+        results.append(dict(case=dict(c, alibi=alibi, **{k: str(v) for k, v in extra.items() if k != "alibi_slopes"}),
+                            errors=err, ok=ok))
+        _log(f"check {c} alibi={alibi} {extra.keys()}: " + " ".join(f"{k}={v:.2e}" for k, v in err.items())
+             + ("  OK" if ok else "  FAIL"))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config sweep
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sweep():
+    from hf_fastpath.kernels import flash_attention as fa
+
+    out = []
+    cands = {
+        "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 4, 3)],
+                128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4),
+                      (128, 128, 8, 2)],
+                256: [(64, 64, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)]},
+        "dkdv": {64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+                 128: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 2), (32, 128, 8, 3)],
+                 256: [(32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 1), (64, 64, 8, 1)]},
+        "dq": {64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+               128: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3)],
+               256: [(64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2), (128, 32, 8, 2)]},
+    }
+    from triton.testing import do_bench
+
+    s = 4096
+    for d in (64, 128, 256):
+        h, b = HEADS[d], TOKENS // s
+        for causal in (True,):
+            q, k, v = _inputs(b, s, s, h, h, d)
+            o, lse = fa.flash_attention_forward(q, k, v, causal=causal)
+            do = torch.randn_like(o)
+            for kind in ("fwd", "dkdv", "dq"):
+                for cfg in cands[kind][d]:
+                    fa.CONFIG_OVERRIDE.clear()
+                    fa.CONFIG_OVERRIDE[kind] = cfg
+                    try:
+                        if kind == "fwd":
+                            t = do_bench(lambda: fa.flash_attention_forward(q, k, v, causal=causal), warmup=5,
+                                         rep=25, return_mode="median")
+                        else:
+                            t = do_bench(lambda: fa.flash_attention_backward(do, q, k, v, o, lse, causal=causal),
+                                         warmup=5, rep=25, return_mode="median")
+                    except Exception as e:  # out of shared memory / registers
+                        t = None
+                        _log(f"sweep {kind} d={d} {cfg}: {type(e).__name__} {str(e)[:100]}")
+                    out.append(dict(kind=kind, d=d, causal=causal, cfg=cfg, ms=t))
+                    if t is not None:
+                        _log(f"sweep {kind} d={d} causal={causal} {cfg}: {t:.3f} ms")
+    fa.CONFIG_OVERRIDE.clear()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def run_all(head_dims, seqs, peers, flex_dims):
+    rows = []
+    for d in head_dims:
+        h = HEADS[d]
+        for s in seqs:
+            b = TOKENS // s
+            for causal in (True, False):
+                for mode in ("fwd", "fwd+bwd"):
+                    row = dict(head_dim=d, heads=h, batch=b, seq=s, causal=causal, mode=mode)
+                    flops = attn_flops(b, h, s, s, d, causal, mode)
+                    impls = {"ours": ours, **{p: PEERS[p] for p in peers if p != "flex" or d in flex_dims}}
+                    for name, fn in impls.items():
+                        try:
+                            ms = bench_case(fn, b, s, s, h, h, d, causal, mode, native_bhsd=name != "ours")
+                            row[name] = dict(ms=ms, tflops=flops / ms * 1e-9)
+                        except Exception as e:
+                            row[name] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
+                        torch.cuda.empty_cache()
+                    for p in impls:
+                        if p != "ours" and "tflops" in row[p] and "tflops" in row["ours"]:
+                            row[f"ratio_vs_{p}"] = row["ours"]["tflops"] / row[p]["tflops"]
+                    rows.append(row)
+                    _log(_fmt_row(row))
+    return rows
+
+
+def run_decode():
+    from triton.testing import do_bench
+
+    rows = []
+    hq, hkv, d, b = 32, 8, 128, DECODE_BATCH
+    for sk in DECODE_KV:
+        q, k, v = _inputs(b, 1, sk, hq, hkv, d)
+        bytes_kv = 2 * b * sk * hkv * d * k.element_size()
+        row = dict(batch=b, seq_k=sk, heads_q=hq, heads_kv=hkv, head_dim=d)
+        impls = {"ours": ours, "sdpa_flash": PEERS["sdpa_flash"], "sdpa_cudnn": PEERS["sdpa_cudnn"],
+                 "flex": PEERS["flex"]}
+        for name, fn in impls.items():
+            try:
+                with torch.no_grad():
+                    ms = do_bench(lambda: fn(q, k, v, True), warmup=10, rep=40, return_mode="median")
+                row[name] = dict(ms=ms, gbps=bytes_kv / ms * 1e-6)
+            except Exception as e:
+                row[name] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
+        rows.append(row)
+        _log("decode " + json.dumps(row))
+    return rows
+
+
+def _fmt_row(r):
+    def g(name):
+        x = r.get(name, {})
+        return f"{x['tflops']:7.1f}" if "tflops" in x else "      -"
+
+    return (f"hd{r['head_dim']:<4}S={r['seq']:<6}{'causal' if r['causal'] else 'full  '} {r['mode']:<8}"
+            f"ours {g('ours')}  sdpa_flash {g('sdpa_flash')}  sdpa_cudnn {g('sdpa_cudnn')}  flex {g('flex')}"
+            + (f"  x cuDNN {r['ratio_vs_sdpa_cudnn']:.2f}" if "ratio_vs_sdpa_cudnn" in r else "")
+            + (f"  x FA2 {r['ratio_vs_sdpa_flash']:.2f}" if "ratio_vs_sdpa_flash" in r else ""))
+
+
+def plot(path, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.load(open(path))
+    rows = data["cases"]
+    combos = [(d, c, m) for d in sorted({r["head_dim"] for r in rows}) for c in (True, False) for m in ("fwd", "fwd+bwd")]
+    fig, axes = plt.subplots(len(combos) // 4 or 1, 4, figsize=(20, 4.2 * (len(combos) // 4 or 1)), squeeze=False)
+    colors = {"ours": "tab:red", "sdpa_cudnn": "tab:blue", "sdpa_flash": "tab:green", "flex": "tab:purple"}
+    for ax, (d, c, m) in zip(axes.flat, combos):
+        sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c and r["mode"] == m]
+        for name, col in colors.items():
+            xs = [r["seq"] for r in sel if "tflops" in r.get(name, {})]
+            ys = [r[name]["tflops"] for r in sel if "tflops" in r.get(name, {})]
+            if xs:
+                ax.plot(xs, ys, "o-", color=col, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hd{d} {'causal' if c else 'non-causal'} {m}")
+        ax.set_xlabel("seq (16k tokens/batch)")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"hf_fastpath Triton attention vs SDPA / flex on {data['env']['gpu']} (bf16)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-cases", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="hd128 only, fewer sequence lengths")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "attention.json"))
+    ap.add_argument("--plot", metavar="JSON")
+    args = ap.parse_args()
+    if args.plot:
+        plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+        return
+    import triton
+
+    t0 = time.time()
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, python=platform.python_version(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dtype="bfloat16")
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    _log(json.dumps(env))
+    result = dict(env=env, flops="fwd = 4*B*H*S^2*D (half when causal); fwd+bwd = 3.5x fwd; decode GB/s = K+V bytes")
+    result["correctness"] = correctness()
+    _log(f"[{time.time() - t0:.0f}s] correctness done")
+    if args.sweep:
+        result["sweep"] = sweep()
+        _log(f"[{time.time() - t0:.0f}s] sweep done")
+    if not args.no_cases:
+        dims, seqs = ((128,), (2048, 8192)) if args.quick else ((64, 128, 256), SEQS)
+        result["cases"] = run_all(dims, seqs, ("sdpa_flash", "sdpa_cudnn", "flex"), flex_dims=(128,))
+        _log(f"[{time.time() - t0:.0f}s] cases done")
+        result["decode"] = run_decode()
+        _log(f"[{time.time() - t0:.0f}s] decode done")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    _log("\n==== summary (TFLOP/s, bf16; ratio = ours / peer) ====")
+    for r in result.get("cases", []):
+        _log(_fmt_row(r))
+    for r in result.get("decode", []):
+        _log(f"decode B={r['batch']} KV={r['seq_k']:<6}" + "  ".join(
+            f"{n} {r[n]['gbps']:.0f} GB/s" for n in ("ours", "sdpa_flash", "sdpa_cudnn", "flex") if "gbps" in r[n]))
+
+
+if __name__ == "__main__":
+    main()
