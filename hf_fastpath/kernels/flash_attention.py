@@ -90,9 +90,9 @@ def _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right,
 def _key_ranges(m0, seqlen_k, diag, window_left, window_right,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """For query rows [m0, m0+BLOCK_M): keys visited as masked [lo, a), full [a, b), masked [b, hi)."""
-    lo = 0
+    lo = seqlen_k * 0  # tensors throughout: the runtime `if` below may reassign them
     hi = seqlen_k
-    full_lo = 0
+    full_lo = seqlen_k * 0
     full_hi = seqlen_k
     if HAS_LEFT:
         lo = tl.maximum(m0 + diag - window_left, 0)
@@ -114,9 +114,9 @@ def _key_ranges(m0, seqlen_k, diag, window_left, window_right,
 def _query_ranges(n0, seqlen_q, diag, window_left, window_right,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """For key rows [n0, n0+BLOCK_N): queries visited as masked [lo, a), full [a, b), masked [b, hi)."""
-    lo = 0
+    lo = seqlen_q * 0
     hi = seqlen_q
-    full_lo = 0
+    full_lo = seqlen_q * 0
     full_hi = seqlen_q
     if HAS_RIGHT:
         lo = tl.maximum(n0 - diag - window_right, 0)
