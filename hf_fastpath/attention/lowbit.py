@@ -1,0 +1,175 @@
+"""Low-precision attention: `fp8_attention` and `fp4_attention`, with the `hf_fastpath.attention.attention` signature.
+
+Forward: Q, K, V quantized per token (scales along the head dim only: causally safe, see
+`hf_fastpath.kernels.lowbit_quant`), then the FP8 tensor-core kernel of `hf_fastpath.kernels.lowbit_attention`.
+Backward: straight-through: the bf16 FlashAttention backward on the unquantized inputs, given the low-precision
+forward's out and lse, so training works and gradients are those of bf16 attention at the quantized output.
+
+Where the low-bit kernel cannot serve a call (sliding window, softcap, ALiBi, dropout) the call runs on the bf16
+`attention` with a one-time warning. On a CPU without TRITON_INTERPRET=1 a float emulation of the same quantized
+arithmetic runs (slow; for accuracy studies).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ..kernels import lowbit_attention as kla
+from ..kernels import lowbit_quant as lq
+from . import interface
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fp8_attention", "fp4_attention", "lowbit_attention", "quantize_for_attention", "register"]
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg)
+
+
+def _resolve_p_fp4(p_format: str, device: torch.device) -> bool:
+    if p_format == "fp4":
+        return True
+    if p_format == "fp8":
+        return False
+    if p_format != "auto":
+        raise ValueError(f"p_format must be 'auto', 'fp8' or 'fp4', got {p_format!r}")
+    # FP4 P only pays where the MMA itself is FP4 (sm_100+); on Hopper it would cost ALU and buy nothing.
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def quantize_for_attention(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., D]` -> `(e4m3 [..., D], fp32 scale [...])`: fp8 per token, or FP4 values in e4m3 containers."""
+    if fmt == "fp8":
+        q8, s = lq.quantize_fp8(x, check=False)
+    else:
+        q8, s = lq.fp4_rows_to_e4m3(lq.quantize_rows(x, fmt, check=False))
+    return q8.contiguous(), s.contiguous()
+
+
+def _forward(q, k, v, fmt, p_fp4, kw):
+    """Raw forward: `(out, lse)` in the layouts of `reference.attention_forward`."""
+    varlen = kw["cu_seqlens_q"] is not None
+    if interface.use_triton(q):
+        if varlen:
+            cu_q, cu_k = kw["cu_seqlens_q"].to(torch.int32), kw["cu_seqlens_k"].to(torch.int32)
+            max_q = kw["max_seqlen_q"] or int(torch.diff(cu_q).max())
+            qr, kr, vr = q, k, v
+        else:
+            b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+            cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
+            cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
+            max_q = sq
+            qr, kr, vr = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+        q8, qs = quantize_for_attention(qr, fmt)
+        k8, ks = quantize_for_attention(kr, fmt)
+        v8, vs = quantize_for_attention(vr, fmt)
+        out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, kla.transpose_v(v8), vs, cu_seqlens_q=cu_q,
+                                            cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],
+                                            softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, out_dtype=q.dtype)
+        if not varlen:
+            out = out.view(q.shape)
+            lse = lse.view(q.shape[2], q.shape[0], q.shape[1]).permute(1, 0, 2).contiguous()
+        return out, lse
+    # CPU float emulation, one sequence at a time
+    if varlen:
+        cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+        spans = [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+        for sl_q, sl_k in spans:
+            o, l = kla.lowbit_attention_emulated(q[sl_q], k[sl_k], v[sl_k], fmt=fmt, causal=kw["causal"],
+                                                 softmax_scale=kw["softmax_scale"], p_fp4=p_fp4)
+            out[sl_q], lse[:, sl_q] = o, l
+        return out.to(q.dtype), lse
+    outs, lses = zip(*(kla.lowbit_attention_emulated(q[i], k[i], v[i], fmt=fmt, causal=kw["causal"],
+                                                      softmax_scale=kw["softmax_scale"], p_fp4=p_fp4)
+                       for i in range(q.shape[0])))
+    return torch.stack(outs).to(q.dtype), torch.stack(lses)
+
+
+class _LowBitAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, fmt, p_fp4, kw):
+        out, lse = _forward(q, k, v, fmt, p_fp4, kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kw = kw
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        # straight-through: gradients of bf16 attention, evaluated at the low-precision forward's out/lse
+        dq, dk, dv = interface.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
+        return dq, dk, dv, None, None, None
+
+
+def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", causal=False, softmax_scale=None, cu_seqlens_q=None,
+                     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, return_lse=False, backend="auto", dropout_p=0.0):
+    """Attention with Q/K/V (and P) in `fmt` ("fp8", "mxfp4", "nvfp4"); arguments as `hf_fastpath.attention`.
+    `p_format`: "fp8", "fp4", or "auto" (FP4 P only on GPUs with FP4 tensor cores, sm_100+; FP8 P otherwise).
+    `backend` is accepted for signature compatibility; the bf16 fallback uses it."""
+    if fmt not in lq.FORMATS:
+        raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
+    window_size = tuple(int(w) for w in window_size)
+    unsupported = [name for name, bad in (("sliding window", window_size != (-1, -1)), ("softcap", bool(softcap)),
+                                          ("ALiBi", alibi_slopes is not None), ("dropout", bool(dropout_p)))
+                   if bad]
+    if unsupported:
+        _warn_once("fallback:" + ",".join(unsupported),
+                   f"{fmt} attention does not support {', '.join(unsupported)}: these calls run in bf16 "
+                   "(hf_fastpath.attention.attention) instead.")
+        return interface.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                   return_lse=return_lse, backend=backend, dropout_p=dropout_p)
+    d = q.shape[-1]
+    if fmt != "fp8" and (d % lq.BLOCK[fmt] or v.shape[-1] != d):
+        _warn_once(f"fp4dim:{d}", f"{fmt} needs a head dim that is a multiple of {lq.BLOCK[fmt]} (got {d}); "
+                                  "using fp8 attention instead.")
+        fmt = "fp8"
+    if v.shape[-1] != d or k.shape[-1] != d:
+        raise ValueError(f"low-bit attention needs equal q/k/v head dims, got {d}, {k.shape[-1]}, {v.shape[-1]}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together.")
+    want = 3 if cu_seqlens_q is not None else 4
+    if q.dim() != want or k.dim() != want or v.dim() != want:
+        raise ValueError(f"expected {'[T, H, D] tensors with cu_seqlens' if want == 3 else '[B, S, H, D] tensors'}, "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"query heads ({q.shape[-2]}) must be a multiple of key/value heads ({k.shape[-2]})")
+    kw = dict(causal=bool(causal), softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
+              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+              max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=0.0, alibi_slopes=None)
+    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw)
+    return (out, lse) if return_lse else out
+
+
+def fp8_attention(q, k, v, **kwargs):
+    """FP8 (e4m3) attention, per-token scales; see `lowbit_attention`."""
+    return lowbit_attention(q, k, v, fmt="fp8", **kwargs)
+
+
+def fp4_attention(q, k, v, *, fmt="mxfp4", **kwargs):
+    """FP4 (E2M1) attention with MXFP4 (default) or NVFP4 block scales; see `lowbit_attention`."""
+    if fmt not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"fp4_attention takes fmt='mxfp4' or 'nvfp4', got {fmt!r}")
+    return lowbit_attention(q, k, v, fmt=fmt, **kwargs)
+
+
+def register() -> None:
+    """Register `fastpath_fp8` and `fastpath_fp4` (MXFP4) with Transformers. Idempotent."""
+    from ..integrations.transformers_attention import VARIANTS, register_attention_variant
+
+    for name, fn in (("fastpath_fp8", fp8_attention), ("fastpath_fp4", fp4_attention)):
+        if name not in VARIANTS:
+            register_attention_variant(name, fn)

@@ -1,0 +1,290 @@
+"""FP8 / FP4 FlashAttention forward (Triton), plus a float emulation of the same quantized arithmetic.
+
+Numerics (one scale per token and head along the head dim everywhere, so a later token never changes an earlier
+token's output, and prefill equals token-by-token decode up to rounding):
+- Q, K: e4m3 values with one fp32 scale per token; S = (Q8 K8^T) * q_scale * k_scale * softmax_scale, in fp32.
+- Softmax in fp32 (online, exp2). The denominator uses the unquantized fp32 probabilities.
+- V: e4m3 with one fp32 scale per token. That scale lies along the PV contraction, so it is folded into P before P
+  is quantized: P'_ij = P_ij * v_scale_j / vmax_i * 256, where vmax_i is the running max of v_scale over the keys
+  query i can see (only earlier tokens under causal masking: causally safe). P' is rounded to e4m3 (or, with
+  `p_fp4`, to E2M1 with one power-of-two scale per 32 keys, held exactly in e4m3) and fed to the FP8 tensor cores.
+- FP4 Q/K/V are handed to this kernel already expanded into e4m3 containers (`lowbit_quant.fp4_rows_to_e4m3`):
+  every E2M1 value is exact in e4m3, so FP4 numerics run on Hopper's FP8 tensor cores. (On Hopper `tl.dot_scaled`
+  is emulated through bf16 and would be slower; native FP4 MMA needs sm_100.)
+- V is passed transposed (`[Hkv, D, T]`, tokens contiguous): Hopper's FP8 MMA wants its second operand K-major.
+- `lowp=False` runs the same kernel on bf16/fp16 operands with unit scales (our bf16 baseline).
+
+Layout: tokens flattened into rows with `cu_seqlens` (dense batches pass `arange(B+1) * S`): q `[Tq, H, D]`,
+k `[Tk, Hkv, D]`, vt `[Hkv, D, Tk_pad]`, scales `[T, H]`. Output `[Tq, H, D]` and lse `[H, Tq]` (natural log, fp32).
+Causal masking is bottom-right aligned; a row that sees no key gives zeros and lse = -inf.
+
+Under TRITON_INTERPRET=1 FP8 `tl.dot` is not available: operands (exact e4m3 values) are upcast to fp32 there, which
+is the exact-product, fp32-accumulate arithmetic the GPU's FP8 MMA approximates; P is rounded to e4m3 with the same
+round-to-nearest-even in fp32 arithmetic (the interpreter's own fp8 conversion mis-rounds at binade carries).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import lowbit_quant as lq
+
+__all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "P_SCALE", "interpreting"]
+
+P_SCALE = 256.0  # probabilities (<= 1) are scaled into e4m3's range before rounding
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _round_p_fp4(pv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """pv >= 0 -> E2M1 grid with one power-of-two scale per 32 keys (ceil_pow2(amax / 6), as lowbit_quant)."""
+    pb = tl.reshape(pv, (BLOCK_M, BLOCK_N // 32, 32))
+    y = tl.max(pb, 2) / 6.0
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    inv = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
+    a = pb * inv[:, :, None]
+    m = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
+               + (a >= 1.75).to(tl.float32)) + (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) \
+        + 2.0 * (a > 5.0).to(tl.float32)
+    return tl.reshape(m * scale[:, :, None], (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _round_e4m3_nonneg(x):
+    """x >= 0 rounded to e4m3 (nearest, ties to even, saturating at 448) in fp32 arithmetic. Used under the
+    interpreter, whose fp32->fp8 conversion drops the carry into the next binade (127.7 -> 64)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum((bits >> 23) & 0xFF, 121)  # 121 = 2**-6, the smallest e4m3 normal; below, fixed 2**-9 steps
+    ulp = ((e - 3) << 23).to(tl.float32, bitcast=True)
+    y = x / ulp
+    r = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: fp32 addition rounds to an integer, ties to even
+    return tl.minimum(r * ulp, 448.0)
+
+
+@triton.jit
+def _attend_block(acc, l_i, m_i, mv_i, q, qs, K, KS, VT, VS, k_start, k_len, hk, start_n, offs_m, diag, T_K_PAD,
+                  HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOWP: tl.constexpr,
+                  P_FP4: tl.constexpr, EMULATE: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    col_ok = offs_n < k_len
+    k_ptrs = K + ((k_start + offs_n)[:, None] * HKV + hk) * D + offs_d[None, :]
+    v_ptrs = VT + (hk * D + offs_d)[:, None] * T_K_PAD + (k_start + offs_n)[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
+    if EMULATE:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if LOWP:
+        ks = tl.load(KS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
+        s = qk * qs[:, None] * ks[None, :]
+    else:
+        s = qk * qs[:, None]
+    if MASKED:
+        vis = col_ok[None, :]
+        if CAUSAL:
+            vis = vis & (offs_n[None, :] <= offs_m[:, None] + diag)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if LOWP:
+        vs = tl.load(VS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
+        if MASKED:
+            vmax = tl.max(tl.where(vis, vs[None, :], 0.0), 1)
+        else:
+            vmax = tl.max(vs, 0)
+        mv_new = tl.maximum(mv_i, vmax)
+        beta = tl.where(mv_new > 0, mv_i / mv_new, 1.0)
+        inv = tl.where(mv_new > 0, 256.0 / mv_new, 0.0)
+        pv = p * vs[None, :] * inv[:, None]
+        if P_FP4:
+            pv = _round_p_fp4(pv, BLOCK_M, BLOCK_N)
+        if EMULATE:
+            pvacc = tl.dot(_round_e4m3_nonneg(pv), tl.trans(vt.to(tl.float32)))
+        else:
+            pvacc = tl.dot(pv.to(tl.float8e4nv), tl.trans(vt))
+        acc = acc * (alpha * beta)[:, None] + pvacc
+    else:
+        mv_new = mv_i
+        if EMULATE:
+            pvacc = tl.dot(p.to(vt.dtype).to(tl.float32), tl.trans(vt.to(tl.float32)))
+        else:
+            pvacc = tl.dot(p.to(vt.dtype), tl.trans(vt))
+        acc = acc * alpha[:, None] + pvacc
+    return acc, l_i, m_new, mv_new
+
+
+@triton.jit
+def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, O, LSE, CU_Q, CU_K, qk_scale, T_K_PAD, T_Q,
+                       H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                       CAUSAL: tl.constexpr, LOWP: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // (H // HKV)
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    k_start = tl.load(CU_K + b)
+    k_len = tl.load(CU_K + b + 1) - k_start
+    m_start = pid_m * BLOCK_M
+    if m_start < q_len:
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        row_ok = offs_m < q_len
+        d_ok = offs_d < D
+        q = tl.load(Q + ((q_start + offs_m)[:, None] * H + h) * D + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if LOWP:
+            qs = tl.load(QS + (q_start + offs_m) * H + h, mask=row_ok, other=0.0) * qk_scale
+        else:
+            qs = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        mv_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right aligned)
+        if CAUSAL:
+            hi = tl.minimum(k_len, m_start + BLOCK_M + diag)
+            full = tl.minimum(m_start + diag + 1, k_len)
+        else:
+            hi = k_len
+            full = k_len
+        hi = tl.maximum(hi, 0)
+        full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
+        full = tl.minimum(full, hi)
+        for start_n in range(0, full, BLOCK_N):
+            acc, l_i, m_i, mv_i = _attend_block(acc, l_i, m_i, mv_i, q, qs, K, KS, VT, VS, k_start, k_len, hk,
+                                                start_n, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N,
+                                                False, CAUSAL, LOWP, P_FP4, EMULATE)
+        for start_n in range(full, hi, BLOCK_N):
+            acc, l_i, m_i, mv_i = _attend_block(acc, l_i, m_i, mv_i, q, qs, K, KS, VT, VS, k_start, k_len, hk,
+                                                start_n, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N,
+                                                True, CAUSAL, LOWP, P_FP4, EMULATE)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        if LOWP:
+            out = acc * (mv_i / (256.0 * l_safe))[:, None]
+        else:
+            out = acc / l_safe[:, None]
+        lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(O + ((q_start + offs_m)[:, None] * H + h) * D + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + h * T_Q + q_start + offs_m, lse, mask=row_ok)
+
+
+def _config(d_pad: int, lowp: bool):
+    if interpreting():
+        return 32, 32, 4, 1
+    if d_pad > 128:
+        return 128, 64, 8, 2
+    if lowp:
+        return 128, 128, 8, 3
+    return 128, 64, 8, 3
+
+
+def transpose_v(v_rows: torch.Tensor) -> torch.Tensor:
+    """`[T, Hkv, D]` -> `[Hkv, D, T_pad]` with tokens contiguous (T padded to 16 for aligned rows)."""
+    t, hkv, d = v_rows.shape
+    t_pad = (t + 15) // 16 * 16
+    raw = v_rows.view(torch.uint8) if v_rows.dtype == torch.float8_e4m3fn else v_rows
+    out = torch.zeros(hkv, d, t_pad, dtype=raw.dtype, device=raw.device)
+    out[:, :, :t] = raw.permute(1, 2, 0)
+    return out.view(v_rows.dtype) if v_rows.dtype == torch.float8_e4m3fn else out
+
+
+def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         causal=False, softmax_scale=None, p_fp4=False, out_dtype=torch.bfloat16):
+    """Triton forward. q `[Tq,H,D]`, k `[Tk,Hkv,D]`, vt `[Hkv,D,Tk_pad]` (e4m3 with fp32 `[T,H]` scales, or bf16/fp16
+    with scales None); cu_seqlens int32 `[B+1]`. Returns out `[Tq,H,D]` (out_dtype) and lse `[H,Tq]` fp32."""
+    tq, h, d = q.shape
+    hkv = k.shape[1]
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+    lowp = q.dtype == torch.float8_e4m3fn
+    if lowp and (q_scale is None or k_scale is None or v_scale is None):
+        raise ValueError("e4m3 inputs need q_scale, k_scale and v_scale")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    d_pad = max(32, triton.next_power_of_2(d))
+    block_m, block_n, warps, stages = _config(d_pad, lowp)
+    out = torch.empty(tq, h, d, dtype=out_dtype, device=q.device)
+    lse = torch.empty(h, tq, dtype=torch.float32, device=q.device)
+    batch = cu_seqlens_q.numel() - 1
+    grid = (triton.cdiv(max(int(max_seqlen_q), 1), block_m), batch * h)
+    dummy = q_scale if lowp else out
+    _lowbit_fwd_kernel[grid](
+        q, q_scale if lowp else dummy, k, k_scale if lowp else dummy, vt, v_scale if lowp else dummy, out, lse,
+        cu_seqlens_q, cu_seqlens_k, scale * LOG2E, vt.shape[-1], tq,
+        H=h, HKV=hkv, D=d, D_PAD=d_pad, CAUSAL=bool(causal), LOWP=lowp, P_FP4=bool(p_fp4) and lowp,
+        EMULATE=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+def lowbit_attention_emulated(q, k, v, *, fmt="fp8", causal=False, softmax_scale=None, p_fp4=False,
+                              lowp_p=True):
+    """Float emulation of the quantized arithmetic, one sequence: q `[Sq,H,D]`, k/v `[Sk,Hkv,D]` (any float).
+    Quantizes Q/K/V exactly like the kernel path; P is rounded relative to the final row max and the max V scale
+    over visible keys (the kernel uses running maxima, so the two agree up to one rounding of P).
+    Returns out `[Sq,H,D]` fp32 and lse `[H,Sq]`."""
+    sq, h, d = q.shape
+    sk, hkv = k.shape[0], k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+    def quant(x):
+        qr = lq.quantize_rows(x, fmt, check=False)
+        return lq.quantize_fp8(x, check=False) if fmt == "fp8" else lq.fp4_rows_to_e4m3(qr)
+
+    (q8, qs), (k8, ks), (v8, vs) = quant(q), quant(k), quant(v)
+    rep = h // hkv
+    qf = q8.float().transpose(0, 1)
+    kf = k8.float().transpose(0, 1).repeat_interleave(rep, 0)
+    vf = v8.float().transpose(0, 1).repeat_interleave(rep, 0)
+    s = torch.einsum("hqd,hkd->hqk", qf, kf) * qs.t()[:, :, None] * ks.t().repeat_interleave(rep, 0)[:, None, :]
+    s = s * scale
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        vis = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    s = s.masked_fill(~vis, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    vsh = vs.t().repeat_interleave(rep, 0)[:, None, :]  # [H, 1, Sk]
+    if lowp_p:
+        vmax = torch.where(vis, vsh, torch.zeros_like(vsh)).amax(-1, keepdim=True)
+        pv = p * vsh * torch.where(vmax > 0, P_SCALE / vmax, torch.zeros_like(vmax))
+        if p_fp4:
+            pad = (-sk) % 32  # kernel groups keys [32j, 32j + 32) of each sequence
+            pb = torch.nn.functional.pad(pv, (0, pad)).reshape(h, sq, -1, 32)
+            sc = lq.ceil_pow2(pb.amax(-1) / 6.0)
+            inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
+            pv = (lq.round_to_e2m1(pb * inv[..., None]) * sc[..., None]).reshape(h, sq, -1)[..., :sk]
+        pv = pv.to(torch.float8_e4m3fn).float()
+        o = torch.einsum("hqk,hkd->hqd", pv, vf) * vmax / P_SCALE
+    else:
+        o = torch.einsum("hqk,hkd->hqd", p, vf * vs.t().repeat_interleave(rep, 0)[:, :, None])
+    out = o / torch.where(l > 0, l, torch.ones_like(l))
+    lse = torch.where(l[..., 0] > 0, m[..., 0] + torch.log(l[..., 0]), torch.full_like(l[..., 0], float("-inf")))
+    return out.transpose(0, 1), lse

@@ -1,0 +1,141 @@
+"""FP8 / FP4 attention kernels (TRITON_INTERPRET=1 on CPU) against the float emulation and exact attention."""
+
+import logging
+
+import pytest
+import torch
+
+from hf_fastpath.attention import lowbit, reference
+from hf_fastpath.kernels import lowbit_attention as kla
+from hf_fastpath.kernels import lowbit_quant as lq
+
+CASES = [("fp8", False), ("mxfp4", False), ("nvfp4", False), ("mxfp4", True)]
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), 0).item()
+
+
+def _kernel(q, k, v, fmt, p_fp4, causal, scale=None):
+    """One sequence through the Triton kernel: q `[Sq,H,D]`, k/v `[Sk,Hkv,D]`."""
+    (q8, qs), (k8, ks), (v8, vs) = (lowbit.quantize_for_attention(x, fmt) for x in (q, k, v))
+    cq = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    ck = torch.tensor([0, k.shape[0]], dtype=torch.int32)
+    return kla.lowbit_flash_forward(q8, qs, k8, ks, kla.transpose_v(v8), vs, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                    max_seqlen_q=q.shape[0], causal=causal, softmax_scale=scale, p_fp4=p_fp4,
+                                    out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fmt,p_fp4", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_single_block_equals_emulation(fmt, p_fp4, causal):
+    """With one key block the kernel's running maxima are the final ones: same arithmetic as the emulation."""
+    q, k, v = torch.randn(29, 4, 64), torch.randn(32, 2, 64), torch.randn(32, 2, 64) * 3
+    out, lse = _kernel(q, k, v, fmt, p_fp4, causal, scale=0.2)
+    eo, el = kla.lowbit_attention_emulated(q, k, v, fmt=fmt, causal=causal, softmax_scale=0.2, p_fp4=p_fp4)
+    torch.testing.assert_close(lse, el, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out, eo, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt,p_fp4", CASES)
+@pytest.mark.parametrize("causal,sq,sk,h,hkv,d", [(True, 70, 70, 2, 1, 64), (False, 33, 90, 2, 2, 32),
+                                                  (True, 20, 77, 4, 2, 96)])
+def test_kernel_against_emulation_and_exact(fmt, p_fp4, causal, sq, sk, h, hkv, d):
+    if fmt != "fp8" and d % lq.BLOCK[fmt]:
+        pytest.skip("head dim not a multiple of the FP4 block")
+    q, k, v = torch.randn(sq, h, d), torch.randn(sk, hkv, d), torch.randn(sk, hkv, d)
+    out, lse = _kernel(q, k, v, fmt, p_fp4, causal)
+    eo, el = kla.lowbit_attention_emulated(q, k, v, fmt=fmt, causal=causal, p_fp4=p_fp4)
+    ro, rl = reference.attention_forward(q[None].double(), k[None].double(), v[None].double(), causal=causal)
+    torch.testing.assert_close(lse, el, atol=1e-4, rtol=1e-5)
+    # the kernel rounds P against running maxima, the emulation against final ones: one P rounding apart
+    assert _cos(out, eo) > (0.999 if not p_fp4 else 0.99)
+    # random Gaussian q/k/v are the hardest case (no dominant keys); real activations do better (see benchmarks)
+    assert _cos(out, ro[0]) > {"fp8": 0.997, "mxfp4": 0.97, "nvfp4": 0.975}[fmt] - (0.01 if p_fp4 else 0)
+    assert (lse - rl[0].float()).abs().max() < (0.05 if fmt == "fp8" else 0.3)
+
+
+def test_empty_rows_give_zero_and_neg_inf():
+    # causal with more queries than keys: the first rows see no key at all
+    q, k, v = torch.randn(40, 2, 32), torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    out, lse = _kernel(q, k, v, "fp8", False, True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:32], torch.zeros_like(out[:32]))
+    assert torch.isinf(lse[:, :32]).all() and (lse[:, :32] < 0).all()
+    assert torch.isfinite(lse[:, 32:]).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_later_tokens_never_change_earlier_outputs(fmt):
+    x = [torch.randn(1, 50, 2, 32) for _ in range(3)]
+    out1 = lowbit.lowbit_attention(*x, fmt=fmt, causal=True)
+    y = [t.clone() for t in x]
+    for t in y:
+        t[:, 30:] = torch.randn_like(t[:, 30:]) * 100  # wildly different later tokens (and their scales)
+    out2 = lowbit.lowbit_attention(*y, fmt=fmt, causal=True)
+    assert torch.equal(out1[:, :30], out2[:, :30])
+
+
+def test_prefill_equals_decode_up_to_rounding():
+    q, k, v = torch.randn(1, 45, 4, 32), torch.randn(1, 45, 2, 32), torch.randn(1, 45, 2, 32)
+    full = lowbit.fp8_attention(q, k, v, causal=True)
+    for t in (0, 17, 44):
+        step = lowbit.fp8_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1], causal=True)
+        assert _cos(step, full[:, t:t + 1]) > 0.9995
+        torch.testing.assert_close(step, full[:, t:t + 1], atol=0.03, rtol=0.05)
+
+
+def test_varlen_matches_dense():
+    lens = [19, 40, 5]
+    seqs = [[torch.randn(n, 2, 32) for _ in range(3)] for n in lens]
+    cu = torch.tensor([0, 19, 59, 64], dtype=torch.int32)
+    q, k, v = (torch.cat([s[i] for s in seqs]) for i in range(3))
+    out, lse = lowbit.fp8_attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40,
+                                    max_seqlen_k=40, return_lse=True)
+    for (a, b), s in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), seqs):
+        o, l = lowbit.fp8_attention(*(t[None] for t in s), causal=True, return_lse=True)
+        assert torch.equal(out[a:b], o[0]) and torch.equal(lse[:, a:b], l[0])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_backward_straight_through(fmt):
+    q, k, v = (torch.randn(2, 24, 2, 32, requires_grad=True) for _ in range(3))
+    out = lowbit.lowbit_attention(q, k, v, fmt=fmt, causal=True)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ro, rl = reference.attention_forward(q.detach(), k.detach(), v.detach(), causal=True)
+    dq, dk, dv = reference.attention_backward(g, q.detach(), k.detach(), v.detach(), ro, rl, causal=True)
+    for got, ref in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
+        assert torch.isfinite(got).all()
+        assert _cos(got, ref) > (0.99 if fmt == "fp8" else 0.95)
+
+
+def test_unsupported_features_fall_back_to_bf16(caplog):
+    q, k, v = torch.randn(1, 16, 2, 32), torch.randn(1, 16, 2, 32), torch.randn(1, 16, 2, 32)
+    with caplog.at_level(logging.WARNING):
+        out = lowbit.fp8_attention(q, k, v, causal=True, softcap=5.0)
+    assert "softcap" in caplog.text
+    ref, _ = reference.attention_forward(q, k, v, causal=True, softcap=5.0)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_arguments():
+    q = torch.randn(1, 8, 2, 32)
+    with pytest.raises(ValueError, match="unknown low-bit format"):
+        lowbit.lowbit_attention(q, q, q, fmt="int8")
+    with pytest.raises(ValueError, match="mxfp4"):
+        lowbit.fp4_attention(q, q, q, fmt="fp8")
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        lowbit.fp8_attention(torch.randn(1, 8, 3, 32), q, q)
+    with pytest.raises(ValueError, match="p_format"):
+        lowbit.fp8_attention(q, q, q, p_format="int4")
+
+
+def test_bf16_mode_of_the_kernel_is_exact_attention():
+    q, k, v = torch.randn(37, 4, 64), torch.randn(50, 2, 64), torch.randn(50, 2, 64)
+    cq, ck = torch.tensor([0, 37], dtype=torch.int32), torch.tensor([0, 50], dtype=torch.int32)
+    out, lse = kla.lowbit_flash_forward(q, None, k, None, kla.transpose_v(v), None, cu_seqlens_q=cq,
+                                        cu_seqlens_k=ck, max_seqlen_q=37, causal=True, out_dtype=torch.float32)
+    ro, rl = reference.attention_forward(q[None], k[None], v[None], causal=True)
+    torch.testing.assert_close(out, ro[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, rl[0], atol=1e-4, rtol=1e-5)
