@@ -21,7 +21,7 @@ from torch import nn
 
 from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_features,
                      linear_weight, scale_partner, set_linear_weight, set_submodule)
-from .rtn import fake_quantize_grouped, resolve_group_size
+from .rtn import fake_quantize_grouped, pad_columns, resolve_group_size
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +126,9 @@ def _search_scales(inspect, records, outputs, x_mean, linears, names, settings: 
     weights = {n: linear_weight(linears[n]).detach().float().clone() for n in names}
     stacked = torch.cat([weights[n] for n in names])
     gs = resolve_group_size(settings.group_size, stacked.shape[1])
-    w_abs = stacked.abs().reshape(-1, gs)
-    w_mean = (w_abs / (w_abs.amax(dim=1, keepdim=True) + 1e-6)).reshape(stacked.shape).mean(0)
+    w_abs = pad_columns(stacked.abs(), gs).reshape(-1, gs)
+    w_mean = (w_abs / (w_abs.amax(dim=1, keepdim=True) + 1e-6)).reshape(stacked.shape[0], -1)
+    w_mean = w_mean[:, :stacked.shape[1]].mean(0)
     x_mean = x_mean.to(stacked.device)
 
     def loss_for(scales):
@@ -195,11 +196,12 @@ def _search_clip(weight: torch.Tensor, x: torch.Tensor, settings: AWQSettings) -
     """Per (output row, group): the max |w| that minimises the group's contribution error on sampled inputs."""
     rows, cols = weight.shape
     gs = resolve_group_size(settings.group_size, cols)
-    groups = cols // gs
+    weight = pad_columns(weight, gs)  # zero columns (and zero inputs below) add nothing
+    groups = weight.shape[1] // gs
     if x.shape[0] > settings.clip_tokens:
         idx = torch.linspace(0, x.shape[0] - 1, settings.clip_tokens, device=x.device).long()
         x = x[idx]
-    xg = x.to(weight.device).reshape(-1, groups, gs)  # [T, G, gs]
+    xg = pad_columns(x.to(weight.device), gs).reshape(-1, groups, gs)  # [T, G, gs]
     best_max = torch.empty(rows, groups, device=weight.device)
     chunk = max(1, 2**24 // max(1, xg.shape[0] * groups * gs))
     for r0 in range(0, rows, chunk):
@@ -223,9 +225,9 @@ def _search_clip(weight: torch.Tensor, x: torch.Tensor, settings: AWQSettings) -
 def _apply_clip(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) -> torch.Tensor:
     rows, cols = weight.shape
     gs = resolve_group_size(group_size, cols)
-    w = weight.reshape(rows, cols // gs, gs)
+    w = pad_columns(weight, gs).reshape(rows, -1, gs)
     m = max_val[..., None]
-    return torch.maximum(torch.minimum(w, m), -m).reshape(rows, cols)
+    return torch.maximum(torch.minimum(w, m), -m).reshape(rows, -1)[:, :cols]
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ a `W4A16Linear`. `config` is a `W4A16Config` (or anything with the same attribut
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -71,9 +72,11 @@ def settings_from_config(config, model=None) -> Settings:
     desc_act = bool(_get(config, "desc_act", False))
     if method != "gptq" and desc_act:
         raise ValueError("desc_act (act-order) is a GPTQ option; use method='gptq' or desc_act=False")
-    fmt = _get(config, "checkpoint_format", None)
-    if fmt is None or fmt == "auto":
-        fmt = "awq" if method == "awq" and bits == 4 else "gptq"
+    if method == "awq" and bits == 4:
+        fmt = "awq"  # AWQ GEMM storage (4-bit only)
+    else:
+        fmt = _get(config, "checkpoint_format", "gptq")
+        fmt = "gptq" if fmt in ("auto", "awq") else fmt
     skip = tuple(_get(config, "modules_to_not_convert", ()) or ())
     return Settings(
         method=method, bits=bits, group_size=int(_get(config, "group_size", 128)), sym=sym, desc_act=desc_act,
@@ -115,7 +118,7 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
     s = settings_from_config(config, model)
     start = time.perf_counter()
     layers_name, layers = find_decoder_layers(model)
-    dev = _default_device(model, device)
+    dev = _default_device(model, device if device is not None else _get(config, "device", None))
     results: dict[str, QuantizedWeight] = {}
     biases: dict[str, torch.Tensor | None] = {}
 
@@ -171,12 +174,13 @@ def _calibration_ids(model, s: Settings, tokenizer) -> torch.Tensor:
     from .data import calibration_windows
 
     if tokenizer is None and not isinstance(s.dataset, torch.Tensor):
-        path = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
-        if not path:
+        tokenizer = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+        if not tokenizer:
             raise ValueError("calibration needs a tokenizer: pass tokenizer=... (or token ids as the dataset)")
+    if isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return calibration_windows(tokenizer, s.dataset, s.num_samples, s.seq_len)
 
 

@@ -55,10 +55,11 @@ class GPTQ:
         H[dead, dead] = 1
         W[:, dead] = 0
 
+        n_groups = -(-cols // gs)  # the last group may be shorter
         static = None
         if static_groups:
             # Each group's grid fixed up front from the unmodified weight (so act-order cannot reorder groups).
-            static = [grid_params(W[:, g * gs:(g + 1) * gs], bits, sym, scale_dtype) for g in range(cols // gs)]
+            static = [grid_params(W[:, g * gs:(g + 1) * gs], bits, sym, scale_dtype) for g in range(n_groups)]
 
         perm = None
         if desc_act:
@@ -71,7 +72,6 @@ class GPTQ:
 
         codes = torch.zeros_like(W)
         losses = torch.zeros(rows, device=W.device)
-        n_groups = cols // gs
         scales = torch.zeros(n_groups, rows, device=W.device)
         zeros = torch.zeros(n_groups, rows, device=W.device)
         scale = zero = None

@@ -41,17 +41,21 @@ def check_bits(bits: int) -> None:
 
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
-    """The effective group size: -1 (or anything >= in_features) means one group spanning all input features."""
+    """The effective group size: -1 (or anything >= in_features) means one group spanning all input features.
+
+    A size that does not divide in_features leaves a shorter last group (G = ceil(in / group_size)), as GPTQ does.
+    """
     if group_size == -1 or group_size >= in_features:
         return in_features
     if group_size <= 0:
         raise ValueError(f"group_size must be positive or -1, got {group_size}")
-    if in_features % group_size != 0:
-        raise ValueError(
-            f"in_features={in_features} is not a multiple of group_size={group_size}; pick a group size that divides "
-            "it, or -1 for one group per row"
-        )
     return group_size
+
+
+def pad_columns(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero columns appended up to a multiple of `multiple` (zeros never widen a group's range: it always holds 0)."""
+    extra = -w.shape[-1] % multiple
+    return torch.nn.functional.pad(w, (0, extra)) if extra else w
 
 
 def grid_params(w: torch.Tensor, bits: int, sym: bool, scale_dtype: torch.dtype | None = torch.float16):
@@ -96,9 +100,10 @@ def fake_quantize_grouped(w: torch.Tensor, bits: int, group_size: int, sym: bool
     """RTN quantize-dequantize of `w [rows, cols]` with groups of `group_size` input columns (used by AWQ's search)."""
     rows, cols = w.shape
     gs = resolve_group_size(group_size, cols)
-    wg = w.reshape(rows * (cols // gs), gs)
+    wp = pad_columns(w, gs)
+    wg = wp.reshape(-1, gs)
     scale, zero = grid_params(wg, bits, sym, scale_dtype)
-    return fake_quantize(wg, scale, zero, bits).reshape(rows, cols)
+    return fake_quantize(wg, scale, zero, bits).reshape(rows, -1)[:, :cols]
 
 
 def rtn_quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
@@ -108,11 +113,12 @@ def rtn_quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym
     w = weight.detach().float()
     rows, cols = w.shape
     gs = resolve_group_size(group_size, cols)
-    groups = cols // gs
-    wg = w.reshape(rows, groups, gs).transpose(0, 1).reshape(groups * rows, gs)  # [G*N, gs]
+    wp = pad_columns(w, gs)
+    groups = wp.shape[1] // gs
+    wg = wp.reshape(rows, groups, gs).transpose(0, 1).reshape(groups * rows, gs)  # [G*N, gs]
     scale, zero = grid_params(wg, bits, sym, scale_dtype)
     codes = quantize_codes(wg, scale, zero, bits)  # [G*N, gs]
-    codes = codes.reshape(groups, rows, gs).permute(0, 2, 1).reshape(cols, rows)  # [K, N]
+    codes = codes.reshape(groups, rows, gs).permute(0, 2, 1).reshape(groups * gs, rows)[:cols]  # [K, N]
     return QuantizedWeight(
         codes=codes.to(torch.int32),
         scales=scale.reshape(groups, rows),
