@@ -130,7 +130,7 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
         words[:, word] |= (v[:, j] << offset) & 0xFFFFFFFF
         if offset + bits > 32:
             words[:, word + 1] |= v[:, j] >> (32 - offset)
-    return _as_int32(words.view(rows, cols))
+    return _as_int32(words.reshape(rows, cols))
 
 
 def unpack_rows(words: torch.Tensor, bits: int, length: int | None = None) -> torch.Tensor:
@@ -142,7 +142,7 @@ def unpack_rows(words: torch.Tensor, bits: int, length: int | None = None) -> to
     if 32 % bits == 0:
         per = 32 // bits
         shifts = (torch.arange(per, device=w.device, dtype=torch.int64) * bits).view(1, per, 1)
-        values = ((w.view(rows, 1, cols) >> shifts) & mask).view(rows * per, cols)
+        values = ((w.view(rows, 1, cols) >> shifts) & mask).reshape(rows * per, cols)
     else:
         if rows % 3 != 0:
             raise ValueError(f"a 3-bit packed tensor needs a multiple of 3 words along dim 0, got {rows}")
@@ -154,7 +154,7 @@ def unpack_rows(words: torch.Tensor, bits: int, length: int | None = None) -> to
             if offset + bits > 32:
                 value = value | (w[:, word + 1] << (32 - offset))
             out[:, j] = value & mask
-        values = out.view(rows // 3 * 32, cols)
+        values = out.reshape(rows // 3 * 32, cols)
     if length is not None:
         values = values[:length]
     return values.to(torch.int32)

@@ -1,0 +1,168 @@
+"""GPTQ / AWQ checkpoints load with plain `from_pretrained` onto `W4A16Linear`, save back in the same format, and
+`W4A16Config` quantizes a float model while it loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import hf_fastpath  # noqa: F401  (registers the quantizer)
+from hf_fastpath.integrations import transformers_quantizer
+from hf_fastpath.quantization import ScaledActivation, W4A16Linear
+from tests.checkpoints import QuantSpec, quantized_layer_names, write_quantized_checkpoint
+from tests.models import random_batch, tiny_model
+
+transformers_quantizer.register()  # idempotent; the package import normally does it
+
+
+def logits(model, ids, mask):
+    """Logits at the real (unpadded) positions: what a padded position computes is not defined."""
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits[mask.bool()]
+
+
+def load(path, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+def read_safetensors(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+CASES = {
+    "llama-gptq-v1-sym": ("llama", QuantSpec("gptq")),
+    "llama-gptq-v2-3bit-asym": ("llama", QuantSpec("gptq", bits=3, group_size=-1, sym=False,
+                                                   checkpoint_format="gptq_v2")),
+    "gpt2-gptq-v2-desc_act-asym": ("gpt2", QuantSpec("gptq", desc_act=True, sym=False, checkpoint_format="gptq_v2")),
+    "bigcode-gptq-v1-desc_act-asym": ("gpt_bigcode", QuantSpec("gptq", group_size=64, desc_act=True, sym=False)),
+    "falcon-awq": ("falcon", QuantSpec("awq", sym=False)),
+    "neox-awq-act-scales": ("gpt_neox", QuantSpec("awq", sym=False, act_scales=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpoint_loads_matches_and_resaves(case, tmp_path):
+    family, spec = CASES[case]
+    model = tiny_model(family)
+    reference = write_quantized_checkpoint(model, tmp_path / "ckpt", spec)
+    loaded = load(tmp_path / "ckpt")
+    modules = dict(loaded.named_modules())
+    names = quantized_layer_names(model)
+    assert names and all(isinstance(modules[n], W4A16Linear) for n in names)
+    assert not isinstance(loaded.get_output_embeddings(), W4A16Linear)
+    if spec.act_scales:
+        assert any(isinstance(m, ScaledActivation) for m in loaded.modules())
+    ids, mask = random_batch(seq=10, left_pad=(3,))
+    expected = logits(reference, ids, mask)
+    got = logits(loaded, ids, mask)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+    loaded.save_pretrained(tmp_path / "resaved")
+    original = read_safetensors(tmp_path / "ckpt" / "model.safetensors")
+    resaved = read_safetensors(tmp_path / "resaved" / "model.safetensors")
+    for key, tensor in original.items():
+        if key.endswith(".act.scales"):  # AWQ activation scales: kept in the model's dtype
+            assert torch.equal(resaved[key].to(tensor.dtype), tensor), key
+        elif key.rpartition(".")[2] in ("qweight", "qzeros", "scales", "g_idx"):
+            assert resaved[key].dtype == tensor.dtype and torch.equal(resaved[key], tensor), key
+    config = json.loads((tmp_path / "resaved" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == spec.method and config["bits"] == spec.bits
+    assert config["group_size"] == spec.group_size
+    if spec.method == "gptq":
+        assert config["checkpoint_format"] == spec.checkpoint_format and config["desc_act"] == spec.desc_act
+    else:
+        assert config["version"] == "gemm"
+    again = load(tmp_path / "resaved")
+    assert torch.equal(logits(again, ids, mask), got)
+
+
+def test_modules_to_not_convert_and_missing_g_idx(tmp_path):
+    model = tiny_model("llama")
+    skip = ("mlp.down_proj",)
+    reference = write_quantized_checkpoint(model, tmp_path, QuantSpec("awq", sym=False), modules_to_not_convert=skip)
+    loaded = load(tmp_path)
+    for name, module in loaded.named_modules():
+        if name.endswith("mlp.down_proj") or name == "lm_head":
+            assert type(module) is nn.Linear, name
+        elif name.endswith("_proj"):
+            assert isinstance(module, W4A16Linear), name
+    ids, mask = random_batch()
+    torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
+
+    # a GPTQ checkpoint without g_idx (allowed without desc_act) means the trivial group order
+    spec = QuantSpec("gptq", sym=False, checkpoint_format="gptq_v2")
+    reference = write_quantized_checkpoint(model, tmp_path / "no_g_idx", spec)
+    file = tmp_path / "no_g_idx" / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(file)).items() if not k.endswith(".g_idx")}
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    loaded = load(tmp_path / "no_g_idx")
+    torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("corruption", ["shape", "dtype"])
+def test_bad_checkpoint_tensor_is_named(corruption, tmp_path):
+    write_quantized_checkpoint(tiny_model("llama"), tmp_path, QuantSpec("gptq"))
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    key = "model.layers.1.mlp.down_proj.qweight"
+    if corruption == "shape":
+        tensors[key] = tensors[key][:, :32].contiguous()
+        message = r"'qweight' of layer 'model\.layers\.1\.mlp\.down_proj' has shape \(16, 32\), expected \(16, 64\)"
+    else:
+        tensors[key] = tensors[key].to(torch.int64)
+        message = r"'qweight' of layer 'model\.layers\.1\.mlp\.down_proj' has dtype torch\.int64, expected torch\.int32"
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        load(tmp_path)
+
+
+def test_w4a16_config_quantizes_on_load_and_saves_standard_gptq(tmp_path):
+    float_model = tiny_model("gpt2")
+    float_model.save_pretrained(tmp_path / "float")
+    config = hf_fastpath.W4A16Config(method="rtn", bits=4, group_size=32, sym=False)
+    quantized = load(tmp_path / "float", quantization_config=config)
+    layers = {n: m for n, m in quantized.named_modules() if isinstance(m, W4A16Linear)}
+    assert set(layers) == set(quantized_layer_names(float_model))
+    # the quantized model computes exactly what its integer weights say
+    reference = tiny_model("gpt2")
+    for name, layer in layers.items():
+        reference.get_submodule(name).weight.data.copy_(layer.dequantize().t())  # GPT-2 Conv1D: [in, out]
+    ids, mask = random_batch()
+    got = logits(quantized, ids, mask)
+    torch.testing.assert_close(got, logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
+    assert (got - logits(float_model, ids, mask)).abs().max() < 0.5  # and stays near the float model
+
+    quantized.save_pretrained(tmp_path / "quantized")
+    saved = json.loads((tmp_path / "quantized" / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "gptq" and saved["bits"] == 4 and saved["group_size"] == 32
+    assert saved["checkpoint_format"] in ("gptq", "gptq_v2") and saved["sym"] is False
+    keys = set(read_safetensors(tmp_path / "quantized" / "model.safetensors"))
+    assert "transformer.h.0.attn.c_attn.qzeros" in keys and "transformer.h.0.attn.c_attn.weight" not in keys
+    again = load(tmp_path / "quantized")
+    assert torch.equal(logits(again, ids, mask), got)
+
+
+def test_backend_choice(tmp_path, monkeypatch):
+    write_quantized_checkpoint(tiny_model("llama"), tmp_path, QuantSpec("gptq"))
+    # asking for Transformers' own GPTQ path hands the load to it (which needs optimum/gptqmodel)
+    monkeypatch.setenv(transformers_quantizer.BACKEND_ENV, "gptqmodel")
+    original = transformers_quantizer._ORIGINAL_QUANTIZERS["gptq"]
+    monkeypatch.setattr(original, "__init__", _refuse)
+    with pytest.raises(RuntimeError, match="original quantizer"):
+        load(tmp_path)
+    monkeypatch.setenv(transformers_quantizer.BACKEND_ENV, "nonsense")
+    with pytest.raises(ValueError, match="HF_FASTPATH_GPTQ_BACKEND"):
+        load(tmp_path)
+    monkeypatch.setenv(transformers_quantizer.BACKEND_ENV, "fastpath")
+    assert isinstance(load(tmp_path).model.layers[0].mlp.up_proj, W4A16Linear)
+
+
+def _refuse(self, *args, **kwargs):
+    raise RuntimeError("original quantizer called")
