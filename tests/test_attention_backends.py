@@ -1,0 +1,264 @@
+"""Backend choice and the FA2/FA3/FA4 adapters.
+
+None of flash-attn 2/3/4 installs here, so each test injects a stand-in module into `sys.modules` whose functions
+follow that package's real signature and return convention but compute `reference.attention_forward` from the
+arguments they receive: a wrong argument mapping (layout, window, softcap, ALiBi, varlen, lse) gives wrong numbers.
+"""
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from hf_fastpath.attention import attention, attention_forward, backends, reference
+from hf_fastpath.attention.backends import BackendUnavailable, describe_backends, select_backend
+
+CALLS = []
+
+
+def _ref(q, k, v, *, softmax_scale, causal, window_size, softcap, alibi_slopes=None, cu_seqlens_q=None,
+         cu_seqlens_k=None):
+    return reference.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+def _fa2_module():
+    m = types.ModuleType("flash_attn")
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        CALLS.append(("fa2", dict(dropout_p=dropout_p, window_size=window_size, alibi=alibi_slopes is not None)))
+        out, lse = _ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes)
+        return (out, lse, None) if return_attn_probs else out
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        CALLS.append(("fa2_varlen", dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)))
+        assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int)
+        out, lse = _ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                        cu_seqlens_k=cu_seqlens_k)
+        return (out, lse, None) if return_attn_probs else out
+
+    m.flash_attn_func, m.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    return m
+
+
+def _fa3_module():
+    m = types.ModuleType("flash_attn_interface")
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                        v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                        pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+        CALLS.append(("fa3", dict(window_size=window_size)))
+        out, lse = _ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap)
+        return (out, lse) if return_attn_probs else out
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                               seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                               k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
+                               softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                               return_attn_probs=False):
+        CALLS.append(("fa3_varlen", {}))
+        out, lse = _ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        return (out, lse) if return_attn_probs else out
+
+    m.flash_attn_func, m.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    return m
+
+
+def _fa4_module():
+    m = types.ModuleType("flash_attn.cute")
+
+    def _window(window_size):
+        assert all(w is None or w >= 0 for w in window_size), "FA4 spells 'unbounded' as None"
+        return tuple(-1 if w is None else w for w in window_size)
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+                        softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, mask_mod=None,
+                        full_block_cnt=None, full_block_idx=None, mask_block_cnt=None, mask_block_idx=None,
+                        block_size=None, return_lse=False):
+        CALLS.append(("fa4", dict(window_size=window_size)))
+        out, lse = _ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=_window(window_size),
+                        softcap=softcap)
+        return out, (lse if return_lse else None)
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                               seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
+                               window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+                               pack_gqa=None, deterministic=False, score_mod=None, mask_mod=None,
+                               block_sparse_tensors=None, cu_total_m_blocks=None, cu_total_n_blocks=None,
+                               aux_tensors=None, return_lse=False):
+        CALLS.append(("fa4_varlen", {}))
+        out, lse = _ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=_window(window_size),
+                        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        return out, (lse if return_lse else None)
+
+    m.flash_attn_func, m.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    return m
+
+
+FACTORIES = {"fa2": ("flash_attn", _fa2_module), "fa3": ("flash_attn_interface", _fa3_module),
+             "fa4": ("flash_attn.cute", _fa4_module)}
+
+
+@pytest.fixture
+def install(monkeypatch):
+    """install(*names, capability=(9, 0)): inject stand-ins, pretend the tensors sit on that GPU."""
+    for mod in ("flash_attn", "flash_attn_interface", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, mod, None)  # None in sys.modules makes the import fail: "not installed"
+    CALLS.clear()
+    backends._warned.clear()
+
+    def _install(*names, capability=(9, 0)):
+        for n in names:
+            mod, make = FACTORIES[n]
+            monkeypatch.setitem(sys.modules, mod, make())
+        monkeypatch.setattr(backends, "cuda_capability", lambda t=None: capability)
+
+    return _install
+
+
+def _qkv(b=2, s=12, hq=4, hkv=2, d=16, dtype=torch.bfloat16, grad=True):
+    mk = lambda h: torch.randn(b, s, h, d).to(dtype).requires_grad_(grad)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv)
+
+
+def _check_against_reference(backend, q, k, v, **kw):
+    out, lse = attention(q, k, v, backend=backend, return_lse=True, **kw)
+    want, want_lse = reference.attention_forward(q.detach().double(), k.detach().double(), v.detach().double(),
+                                                 **{x: y for x, y in kw.items() if x != "dropout_p"})
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    assert lse.shape == want_lse.shape
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=1e-2, rtol=1e-2)
+    out.float().sum().backward()  # gradients flow through the backend's own autograd
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3", "fa4"])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(3, 2)), dict(causal=True, softcap=2.0),
+                                dict(causal=True, window_size=(4, -1), softmax_scale=0.2)],
+                         ids=["causal", "window", "softcap", "left_window_scale"])
+def test_adapter_dense(install, name, kw):
+    install(name)
+    _check_against_reference(name, *_qkv(), **kw)
+    assert CALLS and CALLS[-1][0] == name
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3", "fa4"])
+def test_adapter_varlen(install, name):
+    install(name)
+    cu = torch.tensor([0, 5, 5, 12, 13], dtype=torch.int32)
+    mk = lambda h: torch.randn(13, h, 16).to(torch.bfloat16).requires_grad_()  # noqa: E731
+    q, k, v = mk(4), mk(2), mk(2)
+    _check_against_reference(name, q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert CALLS[-1][0] == f"{name}_varlen"
+
+
+def test_fa2_gets_alibi_and_dropout(install):
+    install("fa2")
+    q, k, v = _qkv()
+    _check_against_reference("fa2", q, k, v, causal=True, alibi_slopes=torch.rand(4))
+    assert CALLS[-1][1]["alibi"]
+    attention(q, k, v, causal=True, dropout_p=0.1)  # auto picks FA2: the only backend with dropout
+    assert CALLS[-1] == ("fa2", dict(dropout_p=0.1, window_size=(-1, -1), alibi=False))
+
+
+def test_auto_order_fa3_fa4_fa2(install):
+    q, k, v = _qkv(grad=False)
+    kw = dict(causal=True, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              cu_seqlens_q=None, cu_seqlens_k=None)
+    install("fa2", "fa3", "fa4")
+    assert select_backend("auto", q, k, v, kw).name == "fa3"
+    install("fa2", "fa4", capability=(10, 0))  # FA3 is Hopper only
+    assert select_backend("auto", q, k, v, kw).name == "fa4"
+    install("fa2", capability=(8, 0))
+    assert select_backend("auto", q, k, v, kw).name == "fa2"
+
+
+def test_auto_falls_back_to_triton_with_one_warning(install, caplog):
+    install("fa3")
+    q, k, v = _qkv(grad=False)
+    kw = dict(causal=True, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=torch.rand(4),
+              cu_seqlens_q=None, cu_seqlens_k=None)
+    with caplog.at_level(logging.WARNING, logger="hf_fastpath.attention.backends"):
+        assert select_backend("auto", q, k, v, kw).name == "triton"
+        assert select_backend("auto", q, k, v, kw).name == "triton"
+    msgs = [r.getMessage() for r in caplog.records if "ALiBi" in r.getMessage()]
+    assert len(msgs) == 1 and "fa3" in msgs[0] and "Triton" in msgs[0]
+
+
+def test_forced_backend_errors_name_the_problem(install):
+    q, k, v = _qkv(grad=False)
+    install()
+    with pytest.raises(BackendUnavailable, match="fa2.*pip install flash-attn"):
+        attention(q, k, v, backend="fa2")
+    with pytest.raises(BackendUnavailable, match="fa4.*flash-attn-4"):
+        attention(q, k, v, backend="fa4")
+    install("fa3")
+    with pytest.raises(BackendUnavailable, match="fa3.*ALiBi"):
+        attention(q, k, v, backend="fa3", alibi_slopes=torch.rand(4))
+    install("fa3", capability=(8, 0))
+    with pytest.raises(BackendUnavailable, match="Hopper"):
+        attention(q, k, v, backend="fa3")
+    with pytest.raises(ValueError, match="Unknown attention backend 'fa5'"):
+        attention(q, k, v, backend="fa5")
+
+
+def test_dropout_without_fa2_is_not_implemented(install):
+    install()
+    q, k, v = _qkv(grad=False)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        attention(q, k, v, dropout_p=0.1, backend="triton")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        attention(q, k, v, dropout_p=0.1)
+
+
+def test_fa_not_used_for_float32_or_cpu(install):
+    q, k, v = _qkv(dtype=torch.float32, grad=False)
+    kw = dict(causal=False, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              cu_seqlens_q=None, cu_seqlens_k=None)
+    install("fa2")
+    assert select_backend("auto", q, k, v, kw).name == "triton"
+    install("fa2", capability=None)  # tensors not on CUDA
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        select_backend("fa2", q.bfloat16(), k.bfloat16(), v.bfloat16(), kw)
+
+
+def test_cpu_without_interpreter_uses_reference(install, monkeypatch):
+    install(capability=None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = _qkv(dtype=torch.float32, grad=False)
+    kw = dict(causal=True, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              cu_seqlens_q=None, cu_seqlens_k=None)
+    assert select_backend("auto", q, k, v, kw).name == "reference"
+    with pytest.raises(BackendUnavailable, match="triton.*no CUDA device"):
+        select_backend("triton", q, k, v, kw)
+
+
+def test_float64_raw_halves_use_reference():
+    q, k, v = (t.double() for t in _qkv(grad=False))
+    out, lse = attention_forward(q, k, v, causal=True)
+    assert out.dtype == torch.float64
+    want, _ = reference.attention_forward(q, k, v, causal=True)
+    torch.testing.assert_close(out, want)
+
+
+def test_describe_backends(install):
+    install("fa3", "fa2")
+    rows = {r["name"]: r for r in describe_backends()}
+    assert list(rows) == ["fa3", "fa4", "fa2", "triton", "reference"]
+    assert rows["fa3"]["available"] and rows["fa3"]["reason"] == "ok (sm_90)"
+    assert not rows["fa4"]["available"] and "pip install flash-attn-4" in rows["fa4"]["reason"]
+    assert rows["reference"]["available"]
+    install("fa3", capability=(8, 0))
+    rows = {r["name"]: r for r in describe_backends()}
+    assert not rows["fa3"]["available"] and "Hopper" in rows["fa3"]["reason"]
