@@ -95,6 +95,19 @@ def _forward(q, k, v, fmt, p_fp4, kw):
     return torch.stack(outs).to(q.dtype), torch.stack(lses)
 
 
+def _packed_decode(q, k, v, softmax_scale, return_lse):
+    """One query token per sequence against a packed low-bit KV cache (`[B, 1, H, D]` q, transposed K/V views)."""
+    from ..kernels.lowbit_decode import lowbit_decode
+
+    kfmt, kview, length, k_t = k.packed_cache_view()
+    _, vview, _, v_t = v.packed_cache_view()
+    if not (k_t and v_t):
+        raise ValueError("packed K/V must be given in the [B, S, H, D] layout (transpose(1, 2) of the cache)")
+    out, lse = lowbit_decode(q[:, 0], kview, vview, length, fmt=kfmt, softmax_scale=softmax_scale)
+    out = out[:, None]
+    return (out, lse[:, :, None]) if return_lse else out
+
+
 class _LowBitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fmt, p_fp4, kw):
@@ -121,6 +134,13 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", causal=False, softm
     if fmt not in lq.FORMATS:
         raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
     window_size = tuple(int(w) for w in window_size)
+    if hasattr(k, "packed_cache_view"):  # keys/values straight from a LowBitCache(packed_decode=True)
+        plain = (window_size == (-1, -1) and not softcap and alibi_slopes is None and not dropout_p
+                 and cu_seqlens_q is None and q.dim() == 4 and q.shape[1] == 1
+                 and q.shape[-1] >= 16 and (q.shape[-1] & (q.shape[-1] - 1)) == 0)
+        if plain and not q.requires_grad:
+            return _packed_decode(q, k, v, softmax_scale, return_lse)
+        k, v = k.materialize(), v.materialize()
     unsupported = [name for name, bad in (("sliding window", window_size != (-1, -1)), ("softcap", bool(softcap)),
                                           ("ALiBi", alibi_slopes is not None), ("dropout", bool(dropout_p)))
                    if bad]

@@ -1,0 +1,181 @@
+"""Split-KV decode attention that reads a low-bit KV cache directly (Triton).
+
+One new query token per sequence attends to `kv_len` cached tokens. Grid: (batch x KV head, split); each program
+takes the whole GQA group of its KV head (the group's query heads are the rows of one tile, so each cached byte is
+read once per group) and one contiguous slice of the keys; a second kernel merges the slices by their LSE in fp32.
+
+Cache layout per layer (`fmt` as in `lowbit_quant`): data `[B, Hkv, S_cap, Dq]` (Dq = D for bf16/fp8, D/2 for
+packed FP4), row scales fp32 `[B, Hkv, S_cap]` (fp8, nvfp4), block scales `[B, Hkv, S_cap, D/block]` (FP4).
+
+Every cached value is turned into an exact bf16 number in registers (e4m3 and E2M1 x power-of-two or e4m3 block
+scale fit bf16's 8 significant bits), dotted with the bf16 query on tensor cores, and the fp32 row scale multiplies
+the scores / the probabilities afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .lowbit_attention import interpreting
+
+__all__ = ["lowbit_decode", "FMT_CODES"]
+
+FMT_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3}
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_tile(DATA, ROWS, BSC, base_tok, offs_n, n_ok, S_CAP, D: tl.constexpr, FMT: tl.constexpr,
+               BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+    """Cached rows `offs_n` -> (values [BLOCK_N, D] bf16 (fp32 under the interpreter), row scale [BLOCK_N])."""
+    tok = base_tok + offs_n
+    if FMT == 0 or FMT == 1:
+        offs_d = tl.arange(0, D)
+        x = tl.load(DATA + tok[:, None] * D + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if EMULATE:
+            vals = x.to(tl.float32)
+        else:
+            vals = x.to(tl.bfloat16)
+        if FMT == 1:
+            rs = tl.load(ROWS + tok, mask=n_ok, other=0.0)
+        else:
+            rs = tl.full(offs_n.shape, 1.0, tl.float32)
+    else:
+        offs_b = tl.arange(0, D // 2)
+        byte = tl.load(DATA + tok[:, None] * (D // 2) + offs_b[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (offs_n.shape[0], D))
+        # E2M1 bits -> fp16 bits: exponent field = e, top mantissa bit = m; value * 2**14 is the E2M1 value
+        half = (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+        offs_d = tl.arange(0, D)
+        sc_ptrs = BSC + tok[:, None] * (D // BLOCK) + (offs_d // BLOCK)[None, :]
+        if FMT == 2:
+            sc = tl.load(sc_ptrs, mask=n_ok[:, None], other=0)
+            bscale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # E8M0
+            rs = tl.full(offs_n.shape, 1.0, tl.float32)
+        else:
+            bscale = tl.load(sc_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            rs = tl.load(ROWS + tok, mask=n_ok, other=0.0)
+        v32 = half.to(tl.float32) * (bscale * 16384.0)
+        if EMULATE:
+            vals = v32
+        else:
+            vals = v32.to(tl.bfloat16)
+    return vals, rs
+
+
+@triton.jit
+def _decode_split_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP, tokens_per_split, qk_scale,
+                         HQ: tl.constexpr, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         EMULATE: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    G: tl.constexpr = HQ // HKV
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    hq = hk * G + offs_g
+    q = tl.load(Q + (b * HQ + hq)[:, None] * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    if EMULATE:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(tl.bfloat16)
+    base_tok = (b * HKV + hk) * S_CAP
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, kv_len)
+    acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+    m_i = tl.zeros([G_PAD], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        k, ks = _load_tile(KD, KR, KB, base_tok, offs_n, n_ok, S_CAP, D, FMT, BLOCK, EMULATE)
+        s = tl.dot(q, tl.trans(k)) * (ks * qk_scale)[None, :]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v, vs = _load_tile(VD, VR, VB, base_tok, offs_n, n_ok, S_CAP, D, FMT, BLOCK, EMULATE)
+        pv = p * vs[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # log2 domain
+    row = (b * HQ + hq) * NUM_SPLITS + split
+    tl.store(O_PART + row[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(L_PART + row, lse2, mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(O_PART, L_PART, O, LSE, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)  # b * HQ + hq
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D)
+    s_ok = offs_s < NUM_SPLITS
+    lse2 = tl.load(L_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse2, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse2 - m_safe)
+    tot = tl.sum(w, 0)
+    o = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(O + row * D + offs_d, out.to(O.dtype.element_ty))
+    lse = tl.where(tot > 0, (m_safe + tl.math.log2(tl.where(tot > 0, tot, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(LSE + row, lse)
+
+
+def _num_splits(programs: int, kv_len: int, block_n: int, device) -> int:
+    if interpreting() or device.type != "cuda":
+        return max(1, min(4, triton.cdiv(kv_len, block_n)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, (2 * sms) // max(programs, 1))
+    return max(1, min(want, triton.cdiv(kv_len, 256), 128))
+
+
+def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_splits=None, block_n=None):
+    """One decode step. q `[B, Hq, D]`; `k_cache`/`v_cache` are `(data, row_scale|None, block_scale|None)` in the
+    layout of the module docstring; `kv_len` valid tokens (the same for every sequence). Returns out `[B, Hq, D]`
+    (q's dtype) and lse `[B, Hq]` fp32."""
+    b, hq, d = q.shape
+    kd, kr, kb = k_cache
+    vd, vr, vb = v_cache
+    hkv, s_cap = kd.shape[1], kd.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"decode kernel needs a power-of-two head dim >= 16, got {d}")
+    code = FMT_CODES[fmt]
+    block = {"mxfp4": 32, "nvfp4": 16}.get(fmt, 32)
+    g = hq // hkv
+    g_pad = max(16, triton.next_power_of_2(g))
+    if block_n is None:
+        block_n = 32 if interpreting() else (64 if d > 128 else 128)
+    splits = num_splits or _num_splits(b * hkv, kv_len, block_n, q.device)
+    per_split = triton.cdiv(triton.cdiv(max(kv_len, 1), splits), block_n) * block_n
+    splits = max(1, triton.cdiv(max(kv_len, 1), per_split))
+    o_part = torch.empty(b * hq * splits, d, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    dummy = l_part
+    q = q.contiguous()
+    _decode_split_kernel[(b * hkv, splits)](
+        q, kd, kr if kr is not None else dummy, kb if kb is not None else dummy,
+        vd, vr if vr is not None else dummy, vb if vb is not None else dummy,
+        o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E,
+        HQ=hq, HKV=hkv, G_PAD=g_pad, D=d, FMT=code, BLOCK=block, BLOCK_N=block_n, NUM_SPLITS=splits,
+        EMULATE=interpreting(), num_warps=4, num_stages=1 if interpreting() else 3,
+    )
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    _combine_kernel[(b * hq,)](o_part, l_part, out, lse, D=d, NUM_SPLITS=splits,
+                               SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out, lse
