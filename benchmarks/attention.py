@@ -151,14 +151,17 @@ def correctness():
         dict(b=2, sq=513, sk=513, hq=4, hkv=4, d=128, causal=True, softcap=30.0),
         dict(b=2, sq=513, sk=513, hq=4, hkv=4, d=64, causal=True, alibi=True),
         dict(b=1, sq=1, sk=40000, hq=32, hkv=8, d=128, causal=True),
+        dict(b=2, sq=900, sk=900, hq=8, hkv=4, d=128, causal=True, bhsd=True),  # Transformers' transposed views
+        dict(b=3, sq=700, sk=700, hq=8, hkv=2, d=64, causal=False, bhsd=True),
     ]
     results = []
     for c in cases:
         c = dict(c)
         alibi = c.pop("alibi", False)
+        bhsd = c.pop("bhsd", False)
         extra = {k: c.pop(k) for k in ("window_size", "softcap") if k in c}
         b, sq, sk, hq, hkv, d, causal = (c[x] for x in ("b", "sq", "sk", "hq", "hkv", "d", "causal"))
-        q, k, v = _inputs(b, sq, sk, hq, hkv, d, requires_grad=True)
+        q, k, v = _inputs(b, sq, sk, hq, hkv, d, requires_grad=True, native_bhsd=bhsd)
         if alibi:
             extra["alibi_slopes"] = torch.rand(hq, device="cuda")
         out, lse = attention(q, k, v, causal=causal, return_lse=True, backend="triton", **extra)
@@ -175,10 +178,20 @@ def correctness():
             "dv": (v.grad.float() - vf.grad).abs().max().item() / max(vf.grad.abs().max().item(), 1e-6),
         }
         ok = err["out"] < 3e-2 and err["lse"] < 1e-2 and max(err["dq"], err["dk"], err["dv"]) < 3e-2
-        results.append(dict(case=dict(c, alibi=alibi, **{k: str(v) for k, v in extra.items() if k != "alibi_slopes"}),
+        results.append(dict(case=dict(c, alibi=alibi, bhsd=bhsd, **{k: str(v) for k, v in extra.items() if k != "alibi_slopes"}),
                             errors=err, ok=ok))
         _log(f"check {c} alibi={alibi} {extra.keys()}: " + " ".join(f"{k}={v:.2e}" for k, v in err.items())
              + ("  OK" if ok else "  FAIL"))
+    # varlen (packed documents) against per-document dense reference
+    lens = [1000, 1, 517, 0, 2048]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(int(cu[-1]), 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q[:, :2]), torch.randn_like(q[:, :2])
+    out, lse = attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True, backend="triton")
+    ro, rl = ref_fwd(q.float(), k.float(), v.float(), causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    err = (out.float() - ro).abs().max().item()
+    results.append(dict(case="varlen 1000,1,517,0,2048 causal GQA 8/2 hd128", errors=dict(out=err), ok=err < 3e-2))
+    _log(f"check varlen: out={err:.2e}" + ("  OK" if err < 3e-2 else "  FAIL"))
     return results
 
 
@@ -187,32 +200,38 @@ def correctness():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sweep():
-    from hf_fastpath.kernels import flash_attention as fa
+SWEEP = {  # (kind, head_dim): candidate (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    ("fwd", 64): [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)],
+    ("fwd", 128): [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    ("fwd", 256): [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+    ("dkdv", 128): [(64, 64, 4, 2), (64, 128, 8, 2)],
+    ("dkdv", 256): [(32, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
+    ("dq", 128): [(128, 64, 8, 3), (64, 64, 4, 2)],
+    ("dq", 256): [(64, 64, 8, 1), (64, 32, 4, 2), (32, 32, 4, 2)],
+}
 
-    out = []
-    cands = {
-        "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-                128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
-                256: [(64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)]},
-        "dkdv": {64: [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
-                 128: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 2)],
-                 256: [(32, 64, 8, 2), (16, 64, 4, 2), (64, 64, 8, 1)]},
-        "dq": {64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-               128: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-               256: [(64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2)]},
-    }
+
+def sweep(apply=True):
+    """Time candidate configs at seq 4k (16k tokens); with `apply`, the fastest become the kernel defaults for
+    the rest of this run. Forward at hd128 is also timed with and without TMA descriptors."""
     from triton.testing import do_bench
 
-    s = 4096
-    for d in (64, 128, 256):
+    from hf_fastpath.kernels import flash_attention as fa
+
+    out, s = [], 4096
+    best = {}
+    for (kind, d), cands in SWEEP.items():
         h, b = HEADS[d], TOKENS // s
-        for causal in (True,):
-            q, k, v = _inputs(b, s, s, h, h, d)
-            o, lse = fa.flash_attention_forward(q, k, v, causal=causal)
-            do = torch.randn_like(o)
-            for kind in ("fwd", "dkdv", "dq"):
-                for cfg in cands[kind][d]:
+        tma_opts = (True, False) if (kind, d) == ("fwd", 128) else ("auto",)
+        causals = (True, False) if kind == "fwd" else (True,)
+        for tma in tma_opts:
+            fa.USE_TMA = tma
+            for cfg in cands:
+                total = 0.0
+                for causal in causals:
+                    q, k, v = _inputs(b, s, s, h, h, d)
+                    o, lse = fa.flash_attention_forward(q, k, v, causal=causal)
+                    do = torch.randn_like(o)
                     fa.CONFIG_OVERRIDE.clear()
                     fa.CONFIG_OVERRIDE[kind] = cfg
                     try:
@@ -223,13 +242,25 @@ def sweep():
                             t = do_bench(lambda: fa.flash_attention_backward(do, q, k, v, o, lse, causal=causal),
                                          warmup=5, rep=25, return_mode="median")
                     except Exception as e:  # out of shared memory / registers
-                        t = None
+                        t = float("inf")
                         _log(f"sweep {kind} d={d} {cfg}: {type(e).__name__} {str(e)[:100]}")
-                    out.append(dict(kind=kind, d=d, causal=causal, cfg=cfg, ms=t))
-                    if t is not None:
-                        _log(f"sweep {kind} d={d} causal={causal} {cfg}: {t:.3f} ms")
+                    total += t
+                    out.append(dict(kind=kind, d=d, causal=causal, tma=tma, cfg=cfg, ms=t))
+                    _log(f"sweep {kind} d={d} causal={causal} tma={tma} {cfg}: {t:.3f} ms")
+                if total < best.get((kind, d), (float("inf"),))[0]:
+                    best[(kind, d)] = (total, cfg, tma)
     fa.CONFIG_OVERRIDE.clear()
-    return out
+    fa.USE_TMA = "auto"
+    chosen = {}
+    for (kind, d), (total, cfg, tma) in best.items():
+        chosen[f"{kind}_hd{d}"] = dict(cfg=cfg, tma=tma, ms=total)
+        if apply:
+            table = {"fwd": fa._FWD_CONFIGS, "dkdv": fa._DKDV_CONFIGS, "dq": fa._DQ_CONFIGS}[kind]
+            table[d] = cfg
+            if (kind, d) == ("fwd", 128):
+                fa.USE_TMA = "auto" if tma is True else False
+    _log("sweep chose " + json.dumps(chosen))
+    return dict(timings=out, chosen=chosen)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,17 +268,17 @@ def sweep():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def run_all(head_dims, seqs, peers, flex_dims):
+def run_all(head_dims, seqs, peers, flex_cases):
     rows = []
     for d in head_dims:
         h = HEADS[d]
-        for s in seqs:
+        for s in seqs[d]:
             b = TOKENS // s
             for causal in (True, False):
                 for mode in ("fwd", "fwd+bwd"):
                     row = dict(head_dim=d, heads=h, batch=b, seq=s, causal=causal, mode=mode)
                     flops = attn_flops(b, h, s, s, d, causal, mode)
-                    impls = {"ours": ours, **{p: PEERS[p] for p in peers if p != "flex" or d in flex_dims}}
+                    impls = {"ours": ours, **{p: PEERS[p] for p in peers if p != "flex" or (d, s) in flex_cases}}
                     for name, fn in impls.items():
                         try:
                             ms = bench_case(fn, b, s, s, h, h, d, causal, mode, native_bhsd=name != "ours")
@@ -352,20 +383,35 @@ def main():
         pass
     _log(json.dumps(env))
     result = dict(env=env, flops="fwd = 4*B*H*S^2*D (half when causal); fwd+bwd = 3.5x fwd; decode GB/s = K+V bytes")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     result["correctness"] = correctness()
+    save()
     _log(f"[{time.time() - t0:.0f}s] correctness done")
     if args.sweep:
         result["sweep"] = sweep()
+        save()
         _log(f"[{time.time() - t0:.0f}s] sweep done")
+    from hf_fastpath.kernels import flash_attention as fa
+
+    result["configs"] = dict(fwd=fa._FWD_CONFIGS, dkdv=fa._DKDV_CONFIGS, dq=fa._DQ_CONFIGS, use_tma=fa.USE_TMA)
     if not args.no_cases:
-        dims, seqs = ((128,), (2048, 8192)) if args.quick else ((64, 128, 256), SEQS)
-        result["cases"] = run_all(dims, seqs, ("sdpa_flash", "sdpa_cudnn", "flex"), flex_dims=(128,))
+        if args.quick:
+            seqs = {128: (2048, 8192)}
+        else:
+            seqs = {64: (1024, 4096, 16384), 128: (1024, 2048, 4096, 8192, 16384), 256: (1024, 4096, 16384)}
+        result["cases"] = []
+        for d in seqs:
+            result["cases"] += run_all((d,), seqs, ("sdpa_flash", "sdpa_cudnn", "flex"), flex_cases={(128, 4096)})
+            save()
         _log(f"[{time.time() - t0:.0f}s] cases done")
         result["decode"] = run_decode()
+        save()
         _log(f"[{time.time() - t0:.0f}s] decode done")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
     _log("\n==== summary (TFLOP/s, bf16; ratio = ours / peer) ====")
     for r in result.get("cases", []):
         _log(_fmt_row(r))

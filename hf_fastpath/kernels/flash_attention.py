@@ -140,27 +140,35 @@ def _query_ranges(n0, seqlen_q, diag, window_left, window_right,
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
+               offs_m, offs_dk, offs_dv,
                start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+               USE_TMA: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt_ptrs = K_ptr + offs_n[None, :] * stride_ks + offs_dk[:, None]
-        v_ptrs = V_ptr + offs_n[:, None] * stride_vs + offs_dv[None, :]
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < seqlen_k) & (offs_dk[:, None] < D_QK), other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < D_V), other=0.0)
+        if USE_TMA:  # bulk tensor copies; rows past the sequence are other tokens (finite), masked below
+            kt = tl.trans(K_ptr.load([k_row + n0, k_col]))
+            v = V_ptr.load([v_row + n0, v_col])
+            if MASKED:
+                v = tl.where(offs_n[:, None] < seqlen_k, v, tl.zeros_like(v))
         else:
-            if BLOCK_DK == D_QK:
-                kt = tl.load(kt_ptrs)
+            kt_ptrs = K_ptr + offs_n[None, :] * stride_ks + offs_dk[:, None]
+            v_ptrs = V_ptr + offs_n[:, None] * stride_vs + offs_dv[None, :]
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < seqlen_k) & (offs_dk[:, None] < D_QK), other=0.0)
+                v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < D_V), other=0.0)
             else:
-                kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
-            if BLOCK_DV == D_V:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
+                if BLOCK_DK == D_QK:
+                    kt = tl.load(kt_ptrs)
+                else:
+                    kt = tl.load(kt_ptrs, mask=offs_dk[:, None] < D_QK, other=0.0)
+                if BLOCK_DV == D_V:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=offs_dv[None, :] < D_V, other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
@@ -192,7 +200,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
                 D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2) // num_splits
@@ -206,8 +214,22 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
     diag = seqlen_k - seqlen_q
     b64 = b.to(tl.int64)
     Q_ptr = Q + b64 * stride_qb + start_q.to(tl.int64) * stride_qs + head * stride_qh
-    K_ptr = K + b64 * stride_kb + start_k.to(tl.int64) * stride_ks + kv_head * stride_kh
-    V_ptr = V + b64 * stride_vb + start_k.to(tl.int64) * stride_vs + kv_head * stride_vh
+    k_off = b64 * stride_kb + start_k.to(tl.int64) * stride_ks + kv_head * stride_kh
+    v_off = b64 * stride_vb + start_k.to(tl.int64) * stride_vs + kv_head * stride_vh
+    if USE_TMA:  # K/V are 2-D descriptors [rows, token stride]: element offset -> (row, column)
+        K_ptr = K
+        V_ptr = V
+        k_row = (k_off // stride_ks).to(tl.int32)
+        k_col = (k_off % stride_ks).to(tl.int32)
+        v_row = (v_off // stride_vs).to(tl.int32)
+        v_col = (v_off % stride_vs).to(tl.int32)
+    else:
+        K_ptr = K + k_off
+        V_ptr = V + v_off
+        k_row = 0
+        k_col = 0
+        v_row = 0
+        v_col = 0
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -231,18 +253,21 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
         r1_lo, r1_hi = tl.maximum(lo, s0), tl.minimum(a, s1)
         r2_lo, r2_hi = tl.maximum(a, s0), tl.minimum(bb, s1)
         r3_lo, r3_hi = tl.maximum(bb, s0), tl.minimum(hi, s1)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
+                               offs_m, offs_dk, offs_dv,
                                r1_lo, r1_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                                D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                               HAS_ALIBI, UPCAST, PREC, USE_TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
+                               offs_m, offs_dk, offs_dv,
                                r2_lo, r2_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                                D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+                               HAS_ALIBI, UPCAST, PREC, USE_TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
+                               offs_m, offs_dk, offs_dv,
                                r3_lo, r3_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                                D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC)
+                               HAS_ALIBI, UPCAST, PREC, USE_TMA)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -630,6 +655,33 @@ def _flags(q, left, right, softcap, slopes):
                 UPCAST=upcast, PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
+# "auto": bulk tensor copies (TMA) for K/V in the forward on sm_90+ when the layout allows; False/True force it.
+USE_TMA = "auto"
+
+
+def _kv_descriptor(t, block_n, block_d):
+    """2-D TMA descriptor over t's memory as [rows, token stride], or None when the layout does not fit."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    ss, sh = t.stride(-3), t.stride(-2)
+    sb = t.stride(0) if t.dim() == 4 else 0
+    d, h = t.shape[-1], t.shape[-2]
+    if (ss * t.element_size()) % 16 or t.data_ptr() % 16 or sb % ss:
+        return None
+    if not ((sh % ss == 0 and d <= ss) or (sh >= d and sh * (h - 1) + d <= ss)):
+        return None  # a head's row would straddle two descriptor rows
+    span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return TensorDescriptor(t, [triton.cdiv(span, ss), ss], [ss, 1], [block_n, block_d])
+
+
+def _use_tma(q, d_qk, d_v, bdk, bdv):
+    if USE_TMA is False or _interpreting() or not q.is_cuda or bdk != d_qk or bdv != d_v:
+        return False
+    return USE_TMA is True or torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
 def _num_splits(programs, seqlen_k, block_n, device):
     if _interpreting() or device.type != "cuda":
         return 1
@@ -680,13 +732,18 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         o_dst, l_dst = out, lse
         o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
     grid = (triton.cdiv(mq, bm), hq, batch * splits)
+    k_arg, v_arg, tma = k, v, False
+    if _use_tma(q, d_qk, d_v, bdk, bdv):
+        kd, vd = _kv_descriptor(k, bn, bdk), _kv_descriptor(v, bn, bdv)
+        if kd is not None and vd is not None:
+            k_arg, v_arg, tma = kd, vd, True
     _fwd_kernel[grid](
-        q, k, v, o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q,
+        q, k_arg, v_arg, o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *o_strides, *l_strides, *split_strides,
         stride_slope_b, dense_q, dense_k, hq // hkv, splits, split_len,
         scale, scale * LOG2E, float(softcap), left, right,
         D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen, SPLIT=splits > 1,
-        num_warps=warps, num_stages=stages, **flags)
+        USE_TMA=tma, num_warps=warps, num_stages=stages, **flags)
     if splits > 1:
         rows = batch * hq * mq
         _combine_kernel[(rows,)](o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
