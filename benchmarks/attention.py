@@ -65,6 +65,13 @@ def ours(q, k, v, causal):
     return attention(q, k, v, causal=causal, backend="triton")
 
 
+def ours_raw(q, k, v, causal):
+    """Inference path: the raw forward half (no autograd wrapper), as a KV-cache decode step would call it."""
+    from hf_fastpath.attention import attention_forward
+
+    return attention_forward(q, k, v, causal=causal)[0]
+
+
 def _sdpa(backend_name):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -303,7 +310,7 @@ def run_decode():
         q, k, v = _inputs(b, 1, sk, hq, hkv, d)
         bytes_kv = 2 * b * sk * hkv * d * k.element_size()
         row = dict(batch=b, seq_k=sk, heads_q=hq, heads_kv=hkv, head_dim=d)
-        impls = {"ours": ours, "sdpa_flash": PEERS["sdpa_flash"], "sdpa_cudnn": PEERS["sdpa_cudnn"],
+        impls = {"ours": ours_raw, "sdpa_flash": PEERS["sdpa_flash"], "sdpa_cudnn": PEERS["sdpa_cudnn"],
                  "flex": PEERS["flex"]}
         for name, fn in impls.items():
             try:
