@@ -141,8 +141,9 @@ def shard_causal_lm_batch(batch: dict, group=None, *, pad_token_id: int = 0) -> 
 def causal_lm_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
     """(sum of token cross-entropies in fp32, number of counted tokens) for already shifted labels."""
     flat = shift_labels.reshape(-1).to(logits.device)
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=ignore_index,
-                            reduction="sum")
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # cross-entropy of bf16/fp16 logits in fp32
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, ignore_index=ignore_index, reduction="sum")
     return total, (flat != ignore_index).sum()
 
 
@@ -155,7 +156,7 @@ def context_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, grou
     """
     total, count = causal_lm_loss_sum(logits, shift_labels, ignore_index)
     world, _ = group_size_and_rank(group)
-    count = count.to(torch.float32)
+    count = count.to(total.dtype)
     if world > 1:
         dist.all_reduce(count, group=group)
     return total * world / count.clamp(min=1)

@@ -24,6 +24,7 @@ Packed batches (`cu_seqlens` of the global batch) use the variable-length kernel
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ from ..attention.interface import attention_backward, attention_forward
 from .zigzag import check_zigzag_lengths, group_size_and_rank
 
 __all__ = ["ring_attention"]
+
+logger = logging.getLogger(__name__)
+_BACKENDS_WITHOUT_OUT_DTYPE: set[str] = set()  # device types whose forward cannot return fp32 block outputs
 
 
 @dataclass
@@ -185,6 +189,21 @@ def merge_partials(out, lse, b_out, b_lse, packed: bool = False):
     return wa * out + wb * b_out.to(out.dtype), new_lse
 
 
+def _block_forward(q, k, v, acc: torch.dtype, **kw):
+    """One block's (out, lse), out in the accumulator dtype when the backend can write it directly (no bf16
+    rounding of the partial result before the merge); otherwise in q's dtype, merged in `acc` all the same."""
+    if q.dtype != acc and q.device.type not in _BACKENDS_WITHOUT_OUT_DTYPE:
+        try:
+            return attention_forward(q, k, v, out_dtype=acc, **kw)
+        except TypeError as e:
+            if "out_dtype" not in str(e):
+                raise
+            _BACKENDS_WITHOUT_OUT_DTYPE.add(q.device.type)
+            logger.info("The %s attention backend has no out_dtype: ring blocks are rounded to %s before the fp32 "
+                        "merge.", q.device.type, q.dtype)
+    return attention_forward(q, k, v, **kw)
+
+
 def _forward(q, k, v, plan: _Plan):
     h = plan.halves
     acc = _accum_dtype(q)
@@ -198,19 +217,19 @@ def _forward(q, k, v, plan: _Plan):
         kb, vb = _unpack(kv, (k, v))
         kind = plan.block(step)
         if kind in ("diagonal", "full"):
-            b_out, b_lse = attention_forward(q, kb, vb, causal=plan.causal and kind == "diagonal",
-                                             **plan.kernel_kw, **h.kernel_kw(False, False))
+            b_out, b_lse = _block_forward(q, kb, vb, acc, causal=plan.causal and kind == "diagonal",
+                                          **plan.kernel_kw, **h.kernel_kw(False, False))
             if out is None:
                 out, lse = b_out.to(acc), b_lse.to(acc)
             else:
                 out, lse = merge_partials(out, lse, b_out, b_lse.to(acc), h.packed)
         elif kind == "k_first":
-            b_out, b_lse = attention_forward(q, h.take(kb, False), h.take(vb, False), causal=False,
-                                             **plan.kernel_kw, **h.kernel_kw(False, True))
+            b_out, b_lse = _block_forward(q, h.take(kb, False), h.take(vb, False), acc, causal=False,
+                                          **plan.kernel_kw, **h.kernel_kw(False, True))
             out, lse = merge_partials(out, lse, b_out, b_lse.to(acc), h.packed)
         else:  # q_second
-            b_out, b_lse = attention_forward(h.take(q, True), kb, vb, causal=False,
-                                             **plan.kernel_kw, **h.kernel_kw(True, False))
+            b_out, b_lse = _block_forward(h.take(q, True), kb, vb, acc, causal=False,
+                                          **plan.kernel_kw, **h.kernel_kw(True, False))
             o2, l2 = merge_partials(h.take(out, True), h.take(lse, True, is_lse=True), b_out, b_lse.to(acc), h.packed)
             h.put(out, True, o2)
             h.put(lse, True, l2, is_lse=True)

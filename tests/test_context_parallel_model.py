@@ -1,0 +1,142 @@
+"""A tiny Llama with context parallelism (CP=2, gloo, CPU) gives the one-process loss and gradients, for an
+ordinary batch that needs padding and for a packed batch; plus the Transformers wiring's errors and the example's
+CPU smoke run under `accelerate launch`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_fastpath.parallel import context_parallel_loss, shard_causal_lm_batch, zigzag_unshard
+from hf_fastpath.parallel.launch import run_in_processes
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER_ENV = {"TRITON_INTERPRET": "0"}  # float64 reference kernels: this checks the wiring, not the kernels
+
+
+def _tiny_llama(attn="eager"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, attn_implementation=attn, use_cache=False)
+    return LlamaForCausalLM(cfg).double()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    dense = {"input_ids": torch.randint(0, 97, (2, 13), generator=g)}  # 13: padded to 16 for CP=2
+    docs = [5, 8, 7]
+    ids = torch.randint(0, 97, (1, sum(docs)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, [0, 5, 13]] = -100  # as DataCollatorWithFlattening does: no target across documents
+    packed = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    return {"dense": dense, "packed": packed}
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _llama_worker(rank, world_size):
+    from hf_fastpath.parallel import context_parallel
+
+    model = _tiny_llama()
+    for name, batch in _batches().items():
+        model.zero_grad()
+        labels = batch.get("labels", batch["input_ids"])
+        ref = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels)
+        # float64 one-process loss (Transformers' own loss is fp32): mean over the next-token targets
+        ref_loss = F.cross_entropy(ref.logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1), ignore_index=-100)
+        assert torch.allclose(ref_loss.float(), ref.loss, rtol=1e-6)
+        ref_loss.backward()
+        ref_grads = _grads(model)
+        model.zero_grad()
+
+        shard = shard_causal_lm_batch(batch, None)
+        labels = shard.pop("shift_labels")
+        assert shard["input_ids"].shape[1] == (8 if name == "dense" else 12)
+        with context_parallel(model, None):
+            assert model.config._attn_implementation == "fastpath_ring"
+            logits = model(**shard).logits
+            loss = context_parallel_loss(logits, labels, None)
+            loss.backward()
+        assert model.config._attn_implementation == "eager"  # restored
+
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= world_size
+        assert torch.allclose(mean_loss, ref_loss.detach(), rtol=0, atol=1e-8), (name, (mean_loss - ref_loss).item())
+        # DDP averages gradients over the ranks
+        grads = _grads(model)
+        assert grads.keys() == ref_grads.keys()
+        for n, g in grads.items():
+            dist.all_reduce(g)
+            g /= world_size
+            # Llama's RMSNorm computes in fp32 even for a float64 model: relative error ~1e-7 is the floor here;
+            # a ring that lost or duplicated any block would be off by O(1)
+            rel = (g - ref_grads[n]).norm() / ref_grads[n].norm()
+            assert rel < 1e-5, (name, n, rel.item())
+        if name == "dense":  # and the logits themselves, unsharded, equal the one-process logits
+            full = zigzag_unshard(logits.detach(), 1, None)[:, :13]
+            assert ((full - ref.logits.detach()).norm() / ref.logits.norm()) < 1e-6
+
+
+def test_tiny_llama_cp2_matches_one_process():
+    run_in_processes(_llama_worker, 2, env=WORKER_ENV)
+
+
+def test_ring_attention_errors_without_context_and_on_padding():
+    from hf_fastpath.integrations.context_parallel import register
+
+    register()
+    model = _tiny_llama()
+    model.set_attn_implementation("fastpath_ring")
+    with pytest.raises(RuntimeError, match="context_parallel"):
+        model(input_ids=torch.randint(0, 97, (1, 4)))
+    with pytest.raises(ValueError, match="padded batches"):
+        model(input_ids=torch.randint(0, 97, (1, 4)), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    with pytest.raises(ValueError, match="padding"):
+        shard_causal_lm_batch({"input_ids": torch.ones(1, 4, dtype=torch.long),
+                               "attention_mask": torch.tensor([[0, 1, 1, 1]])})
+
+
+def test_world_size_one_context_parallel_equals_plain_model():
+    from hf_fastpath.parallel import context_parallel
+
+    os.environ["TRITON_INTERPRET"] = "0"  # reference kernels for float64
+    try:
+        model = _tiny_llama()
+        batch = _batches()["packed"]
+        ref = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        labels = batch["labels"]
+        ref_loss = F.cross_entropy(ref.logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1), ignore_index=-100)
+        shard = shard_causal_lm_batch(batch)  # world 1: shift, pad every document to even length
+        labels = shard.pop("shift_labels")
+        with context_parallel(model):
+            loss = context_parallel_loss(model(**shard).logits, labels)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-8)
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def test_example_cpu_smoke_run_under_accelerate_launch(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", str(REPO / "examples" / "long_context_finetune.py"), "--cp-size", "2",
+           "--steps", "2", "--seq-len", "64", "--tiny", "--out", str(tmp_path / "log.json")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    import json
+
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert len(log["losses"]) == 2 and all(torch.isfinite(torch.tensor(log["losses"])))
+    assert log["cp_size"] == 2 and log["dp_size"] == 1
