@@ -56,6 +56,7 @@ def test_checkpoint_loads_matches_and_resaves(case, tmp_path):
     modules = dict(loaded.named_modules())
     names = quantized_layer_names(model)
     assert names and all(isinstance(modules[n], W4A16Linear) for n in names)
+    assert not any(p.requires_grad for n in names for p in modules[n].parameters())  # frozen, bias included
     assert not isinstance(loaded.get_output_embeddings(), W4A16Linear)
     if spec.act_scales:
         assert any(isinstance(m, ScaledActivation) for m in loaded.modules())
@@ -94,6 +95,9 @@ def test_modules_to_not_convert_and_missing_g_idx(tmp_path):
         elif name.endswith("_proj"):
             assert isinstance(module, W4A16Linear), name
     ids, mask = random_batch()
+    torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
+    loaded.dequantize()  # back to nn.Linear with the dequantized weights
+    assert not any(isinstance(m, W4A16Linear) for m in loaded.modules())
     torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
 
     # a GPTQ checkpoint without g_idx (allowed without desc_act) means the trivial group order

@@ -217,6 +217,15 @@ def test_linear_weight_placeholder_and_dtype_follow():
         layer(torch.randn(2, 63, dtype=torch.bfloat16))
 
 
+def test_linear_follows_autocast():
+    layer = W4A16Linear.from_quantized(*random_weight(64, 32, 4, 32), bits=4, group_size=32, dtype=torch.float32)
+    x = torch.randn(3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), layer(x), rtol=3e-2, atol=3e-2 * layer(x).abs().max().item())
+
+
 def test_for_checkpoint_checks_shapes():
     layer = W4A16Linear.for_checkpoint(64, 32, bits=4, group_size=32, bias=False, checkpoint_format="gptq",
                                        dtype=torch.float32)

@@ -291,6 +291,20 @@ class W4A16Quantizer(HfQuantizer):
         model.quantization_method = standard.quant_method
         return model
 
+    def _dequantize(self, model, dtype=None):
+        """`model.dequantize()`: every `W4A16Linear` becomes an nn.Linear holding its dequantized weight."""
+        for name, module in list(model.named_modules()):
+            if isinstance(module, W4A16Linear):
+                target = dtype if isinstance(dtype, torch.dtype) else module.scales.dtype
+                linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                   dtype=target, device=module.qweight.device)
+                with torch.no_grad():
+                    linear.weight.copy_(module.dequantize(target))
+                    if module.bias is not None:
+                        linear.bias.copy_(module.bias)
+                _set_module(model, name, linear)
+        return model
+
     def is_serializable(self, safe_serialization=None):
         return True
 

@@ -61,12 +61,18 @@ def w4a16_backend(name: str):
         _backend = previous
 
 
+_kernel_module = None
+
+
 def _kernels():
-    try:
-        from ..kernels import w4a16
-    except ImportError:  # the kernels module is optional at import time
-        return None
-    return w4a16
+    global _kernel_module
+    if _kernel_module is None:
+        try:
+            from ..kernels import w4a16
+        except ImportError:  # the kernels module is optional at import time
+            return None
+        _kernel_module = w4a16
+    return _kernel_module
 
 
 class _W4A16MatmulFn(torch.autograd.Function):
@@ -204,9 +210,11 @@ class W4A16Linear(nn.Module):
         fmt = self._staging
         if fmt is None:
             return
-        if loaded is None:
-            loaded = {name for name, buf in self._buffers.items() if getattr(buf, "_is_hf_initialized", False)}
         specs = self.checkpoint_specs()
+        flagged = {name for name, buf in self._buffers.items() if getattr(buf, "_is_hf_initialized", False)}
+        if loaded is None:
+            # Transformers marks what it loaded; without any mark (tensors replaced since), trust every tensor
+            loaded = flagged if "qweight" in flagged else set(specs)
         for name, (shape, tensor_dtype) in specs.items():
             tensor = self._buffers[name]
             if name not in loaded:
@@ -226,7 +234,14 @@ class W4A16Linear(nn.Module):
                 raise ValueError(f"checkpoint tensor 'scales' of {self._describe()} has dtype {tensor.dtype}, "
                                  "expected a float dtype (float16)")
         qweight, scales = self._buffers["qweight"], self._buffers["scales"]
+        if qweight.is_meta:
+            raise NotImplementedError(f"{self._describe()} was offloaded (meta tensors): W4A16 layers must be loaded "
+                                      "onto a CPU or GPU device (no disk offload)")
         device = qweight.device
+        if self.bias is not None:
+            if "qweight" in flagged and not getattr(self.bias, "_is_hf_initialized", False):
+                self.bias.data.zero_()  # the checkpoint has no bias for this layer: never leave memory uninitialised
+            self.bias.requires_grad_(False)  # the loader makes float parameters trainable; this layer is frozen
         dtype = self.bias.dtype if self.bias is not None else self._compute_dtype_hint
         if "qzeros" in loaded:
             qzeros = self._buffers["qzeros"]
@@ -300,6 +315,9 @@ class W4A16Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W4A16Linear expects inputs with last dimension {self.in_features}, got {tuple(x.shape)}")
         lead = x.shape[:-1]
+        device_type = x.device.type
+        if x.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))  # a custom kernel does not get autocast by itself
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # autograd scatters dx back
