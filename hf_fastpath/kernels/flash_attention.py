@@ -676,8 +676,12 @@ def _kv_descriptor(t, block_n, block_d):
     return TensorDescriptor(t, [triton.cdiv(span, ss), ss], [ss, 1], [block_n, block_d])
 
 
+_TMA_FAILED: set = set()  # (block dims, config) whose TMA variant did not fit in shared memory
+
+
 def _use_tma(q, d_qk, d_v, bdk, bdv):
-    if USE_TMA is False or _interpreting() or not q.is_cuda or bdk != d_qk or bdv != d_v:
+    # head dim 256 with TMA buffers exceeds Hopper's 227 KB of shared memory at useful tile sizes
+    if USE_TMA is False or _interpreting() or not q.is_cuda or bdk != d_qk or bdv != d_v or max(bdk, bdv) > 128:
         return False
     return USE_TMA is True or torch.cuda.get_device_capability(q.device)[0] >= 9
 
@@ -733,17 +737,29 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
     grid = (triton.cdiv(mq, bm), hq, batch * splits)
     k_arg, v_arg, tma = k, v, False
-    if _use_tma(q, d_qk, d_v, bdk, bdv):
+    tma_key = (bdk, bdv, bm, bn, warps, stages)
+    if tma_key not in _TMA_FAILED and _use_tma(q, d_qk, d_v, bdk, bdv):
         kd, vd = _kv_descriptor(k, bn, bdk), _kv_descriptor(v, bn, bdv)
         if kd is not None and vd is not None:
             k_arg, v_arg, tma = kd, vd, True
-    _fwd_kernel[grid](
-        q, k_arg, v_arg, o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q,
-        *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *o_strides, *l_strides, *split_strides,
-        stride_slope_b, dense_q, dense_k, hq // hkv, splits, split_len,
-        scale, scale * LOG2E, float(softcap), left, right,
-        D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen, SPLIT=splits > 1,
-        USE_TMA=tma, num_warps=warps, num_stages=stages, **flags)
+
+    def launch(k_arg, v_arg, tma):
+        _fwd_kernel[grid](
+            q, k_arg, v_arg, o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q,
+            *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *o_strides, *l_strides,
+            *split_strides, stride_slope_b, dense_q, dense_k, hq // hkv, splits, split_len,
+            scale, scale * LOG2E, float(softcap), left, right,
+            D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen,
+            SPLIT=splits > 1, USE_TMA=tma, num_warps=warps, num_stages=stages, **flags)
+
+    if tma:
+        try:
+            launch(k_arg, v_arg, True)
+        except triton.runtime.errors.OutOfResources:  # TMA staging buffers too large: plain loads instead
+            _TMA_FAILED.add(tma_key)
+            launch(k, v, False)
+    else:
+        launch(k, v, False)
     if splits > 1:
         rows = batch * hq * mq
         _combine_kernel[(rows,)](o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
