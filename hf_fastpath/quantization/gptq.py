@@ -78,7 +78,9 @@ class GPTQ:
 
         for i1 in range(0, cols, block_size):
             i2 = min(i1 + block_size, cols)
-            W1 = W[:, i1:i2].clone()
+            # The block held transposed ([column, row]): each column update touches contiguous memory.
+            W1 = W[:, i1:i2].t().contiguous()
+            Q1 = torch.zeros_like(W1)
             Err1 = torch.zeros_like(W1)
             Hinv1 = Hinv[i1:i2, i1:i2]
             for i in range(i2 - i1):
@@ -88,20 +90,19 @@ class GPTQ:
                     scale, zero = static[g]
                 elif col % gs == 0:
                     # Grid for the group that starts here, from the weights as updated so far.
-                    upcoming = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :gs]
+                    upcoming = torch.cat([W1[i:].t(), W[:, i2:]], dim=1)[:, :gs]
                     scale, zero = grid_params(upcoming, bits, sym, scale_dtype)
                     scales[col // gs], zeros[col // gs] = scale, zero
-                w = W1[:, i]
-                d = Hinv1[i, i]
+                w = W1[i]
                 q_int = quantize_codes(w, scale, zero, bits)
-                q = scale * (q_int - zero)
                 codes[:, col] = q_int
-                losses += (w - q) ** 2 / d**2 / 2
-                err = (w - q) / d
-                W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)
-                Err1[:, i] = err
+                Q1[i] = scale * (q_int - zero)
+                err = (w - Q1[i]) / Hinv1[i, i]
+                W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
+                Err1[i] = err
+            losses += (Err1**2).sum(0) / 2  # (w - q)² / d² / 2 per row: GPTQ's estimate of the added error
             # Lazy batch update: the block's accumulated errors applied to all later columns in one matmul.
-            W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1)
+            W[:, i2:].addmm_(Err1.t(), Hinv[i1:i2, i2:], alpha=-1)
 
         if static is not None:
             for g, (s, z) in enumerate(static):
