@@ -84,10 +84,13 @@ def prepare_model_for_qlora(model: nn.Module, gradient_checkpointing: bool = Tru
         _fp32_norms(model)
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
-        if not hasattr(model, "gradient_checkpointing_enable"):
-            raise TypeError(f"{type(model).__name__} has no gradient_checkpointing_enable(): pass a Transformers "
+        if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            raise TypeError(f"{type(model).__name__} cannot enable gradient checkpointing: pass a Transformers "
                             "model, or gradient_checkpointing=False")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         # Reentrant checkpointing drops gradients unless some input requires grad; harmless otherwise.
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()

@@ -1,0 +1,321 @@
+"""QLoRA: PEFT LoRA / DoRA over W4A16Linear (hf_fastpath.integrations.peft) and prepare_model_for_qlora.
+
+The reference for every check is the same network with nn.Linear layers holding the dequantized weights (or the
+original float weights, for the convergence test), computed in float32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import hf_fastpath  # noqa: F401  (registers the PEFT mapping)
+from hf_fastpath.integrations.peft import MERGE_REFUSED, W4A16LoraLinear, merge_and_dequantize, register
+from hf_fastpath.quantization.calibrate import quantize_model
+from hf_fastpath.quantization.config import W4A16Config
+from hf_fastpath.quantization.linear import W4A16Linear, w4a16_backend
+from hf_fastpath.quantization.training import ignore_quantized_buffers_in_ddp, prepare_model_for_qlora
+from tests.checkpoints import QuantSpec, write_quantized_checkpoint
+from tests.models import random_batch, tiny_model
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def random_w4a16(k, n, group_size, dtype=torch.float32, *, act_order=False, bias=True, seed=0) -> W4A16Linear:
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group_size
+    codes = torch.randint(0, 16, (k, n), generator=g)
+    scales = (torch.rand(groups, n, generator=g) * 0.05 + 0.02).half().float()
+    zeros = torch.randint(0, 16, (groups, n), generator=g)
+    g_idx = torch.arange(k) // group_size
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    b = torch.randn(n, generator=g) * 0.1 if bias else None
+    return W4A16Linear.from_quantized(codes, scales, zeros, g_idx, bias=b, bits=4, group_size=group_size, dtype=dtype)
+
+
+def float_twin(layer: W4A16Linear) -> nn.Linear:
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(layer.dequantize(torch.float32))
+        if layer.bias is not None:
+            linear.bias.copy_(layer.bias.float())
+    return linear
+
+
+class MLP(nn.Module):
+    """Two stacked layers: LoRA in the lower one needs the input gradient of the upper (4-bit) one."""
+
+    def __init__(self, up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.up, self.down = up, down
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+def randomize_adapters(model: nn.Module, seed: int = 1) -> None:
+    """Non-zero lora_B (and perturbed DoRA magnitudes) so that every gradient is non-trivial; the same values for every
+    model with the same adapter names."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def adapter_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = name.replace(".base_layer", "")
+            out[key] = p.grad.detach().float().clone()
+    return out
+
+
+def lora_pair(dtype, *, act_order=False, use_dora=False):
+    up = random_w4a16(64, 40, 32, dtype, act_order=act_order, seed=0)
+    down = random_w4a16(40, 24, 8, dtype, bias=False, seed=1)
+    quant, ref = MLP(up, down), MLP(float_twin(up), float_twin(down))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"], use_dora=use_dora)
+    torch.manual_seed(0)
+    quant = get_peft_model(quant, copy.deepcopy(config))
+    torch.manual_seed(0)
+    ref = get_peft_model(ref, copy.deepcopy(config))
+    randomize_adapters(quant)
+    randomize_adapters(ref)
+    return quant, ref
+
+
+def run_pair(quant, ref, dtype):
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
+    xq = x.to(dtype).clone().requires_grad_(True)
+    xr = x.clone().requires_grad_(True)
+    target = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(3))
+    yq, yr = quant(xq), ref(xr)
+    ((yq.float() - target) ** 2).sum().backward()
+    ((yr - target) ** 2).sum().backward()
+    return yq.float(), yr, xq.grad.float(), xr.grad, adapter_grads(quant), adapter_grads(ref)
+
+
+def assert_close_rel(got, want, rtol, what):
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= rtol * scale + 1e-7, f"{what}: max error {err:.3g} vs max |value| {scale:.3g} (rtol {rtol})"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# gradients through W4A16Linear == gradients through the dequantized float layers
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("act_order", [False, True], ids=["sorted", "act_order"])
+def test_lora_gradients_match_dequantized_float(act_order, use_dora):
+    quant, ref = lora_pair(torch.float32, act_order=act_order, use_dora=use_dora)
+    assert isinstance(quant.base_model.model.up, W4A16LoraLinear)
+    yq, yr, gxq, gxr, gq, gr = run_pair(quant, ref, torch.float32)
+    assert_close_rel(yq, yr, 1e-5, "output")
+    assert_close_rel(gxq, gxr, 1e-5, "input gradient")
+    assert set(gq) == set(gr) and len(gq) == (6 if use_dora else 4)
+    for name in gr:
+        assert_close_rel(gq[name], gr[name], 1e-5, name)
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_lora_gradients_through_triton_kernels(monkeypatch, use_dora):
+    """fp16 activations on the Triton W4A16 kernels (interpreted on the CPU): forward kernel and input-gradient
+    kernel are used, and the results match the float32 reference within fp16 accuracy."""
+    from hf_fastpath.kernels import w4a16 as kernels
+
+    calls = {"w4a16_matmul": 0, "w4a16_matmul_grad_input": 0}
+    for name in calls:
+        original = getattr(kernels, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    quant, ref = lora_pair(torch.float16, use_dora=use_dora)
+    with w4a16_backend("kernel"):
+        yq, yr, gxq, gxr, gq, gr = run_pair(quant, ref, torch.float16)
+    assert calls["w4a16_matmul_grad_input"] == 2 and calls["w4a16_matmul"] >= 2
+    assert_close_rel(yq, yr, 1e-2, "output")
+    assert_close_rel(gxq, gxr, 2e-2, "input gradient")
+    for name in gr:
+        assert_close_rel(gq[name], gr[name], 3e-2, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# models: all-linear, save / reload, merge
+
+
+@pytest.fixture(scope="module")
+def gptq_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gptq_llama")
+    write_quantized_checkpoint(tiny_model("llama"), path, QuantSpec("gptq", group_size=32, sym=False))
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+def test_all_linear_targets_the_4bit_layers(tmp_path, family):
+    write_quantized_checkpoint(tiny_model(family), tmp_path, QuantSpec("gptq", group_size=32))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    quantized = {name for name, m in model.named_modules() if isinstance(m, W4A16Linear)}
+    assert quantized, "the checkpoint should load onto W4A16Linear layers"
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules="all-linear", task_type="CAUSAL_LM"))
+    wrapped = {name.removeprefix("base_model.model.") for name, m in peft_model.named_modules()
+               if isinstance(m, W4A16LoraLinear)}
+    assert wrapped == quantized
+    assert not isinstance(peft_model.get_output_embeddings(), W4A16LoraLinear)
+    ids, mask = random_batch()
+    assert torch.isfinite(peft_model(input_ids=ids, attention_mask=mask).logits).all()
+
+
+def test_register_is_idempotent():
+    register()
+    register()
+    config = LoraConfig(r=2, target_modules="all-linear")
+    assert config._custom_modules == {W4A16Linear: W4A16LoraLinear}
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_adapter_save_reload_identical(gptq_llama, tmp_path, use_dora):
+    model = AutoModelForCausalLM.from_pretrained(gptq_llama)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=use_dora, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    randomize_adapters(peft_model)
+    ids, mask = random_batch(left_pad=(3,))
+    peft_model.eval()
+    with torch.no_grad():
+        before = peft_model(input_ids=ids, attention_mask=mask).logits
+        base = peft_model.get_base_model()
+        with peft_model.disable_adapter():
+            plain = base(input_ids=ids, attention_mask=mask).logits
+    assert (before - plain).abs().max() > 1e-3, "the adapter should change the output"
+    peft_model.save_pretrained(tmp_path / "adapter")
+
+    fresh = AutoModelForCausalLM.from_pretrained(gptq_llama)
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
+    assert any(isinstance(m, W4A16LoraLinear) for m in reloaded.modules())
+    reloaded.eval()
+    with torch.no_grad():
+        after = reloaded(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-6)
+
+
+def test_merge_is_refused_and_merge_and_dequantize_matches(gptq_llama):
+    model = AutoModelForCausalLM.from_pretrained(gptq_llama)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    randomize_adapters(peft_model)
+    with pytest.raises(NotImplementedError, match="refused"):
+        peft_model.merge_and_unload()
+    with pytest.raises(NotImplementedError, match="merge_and_dequantize"):
+        peft_model.merge_adapter()
+    assert "re-quantiz" in MERGE_REFUSED
+    ids, mask = random_batch()
+    peft_model.eval()
+    with torch.no_grad():
+        want = peft_model(input_ids=ids, attention_mask=mask).logits
+        merged = merge_and_dequantize(peft_model)
+        got = merged(input_ids=ids, attention_mask=mask).logits
+    assert not any(isinstance(m, (W4A16Linear, W4A16LoraLinear)) for m in merged.modules())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_lora_options_fail_clearly():
+    layer = MLP(random_w4a16(64, 40, 32), random_w4a16(40, 24, 8))
+    with pytest.raises(ValueError, match="float base weight"):
+        get_peft_model(copy.deepcopy(layer), LoraConfig(r=2, target_modules=["up"], init_lora_weights="pissa"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# prepare_model_for_qlora
+
+
+def test_prepare_model_for_qlora_keeps_4bit_and_compute_dtype():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    quantize_model(model, W4A16Config(method="rtn", group_size=32))
+    before = {n: (b.dtype, b.data_ptr()) for n, b in model.named_buffers() if ".mlp." in n or ".self_attn." in n}
+    prepare_model_for_qlora(model)
+    assert all(not p.requires_grad for p in model.parameters())
+    after = {n: (b.dtype, b.data_ptr()) for n, b in model.named_buffers() if n in before}
+    assert after == before, "packed weights, scales and zeros must not be touched"
+    assert model.model.norm.weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.is_gradient_checkpointing and not model.config.use_cache
+
+    seen = []
+    for m in model.modules():
+        if isinstance(m, W4A16Linear):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    peft_model.train()
+    ids, mask = random_batch()
+    loss = peft_model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    assert seen and set(seen) == {torch.bfloat16}, "4-bit layers must see compute-dtype activations"
+    grads = [p.grad for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    # the lowest layer's adapters get gradients only through the 4-bit layers above them
+    assert peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.grad.abs().sum() > 0
+
+    ignored = ignore_quantized_buffers_in_ddp(peft_model)
+    assert ignored and all(n.split(".")[-1] in ("qweight", "scales", "zeros", "perm") for n in ignored)
+    assert set(ignored) <= set(peft_model._ddp_params_and_buffers_to_ignore)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# convergence: a 30-step QLoRA run lowers the loss and tracks float LoRA
+
+
+def _train(model, data, steps=30, lr=1e-2):
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                  task_type="CAUSAL_LM"))
+    peft_model.train()
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    losses = []
+    for step in range(steps):
+        ids = data[step % len(data)]
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_qlora_run_lowers_loss_and_tracks_float_lora():
+    float_model = tiny_model("llama", hidden_size=64, intermediate_size=128)
+    quant_model = copy.deepcopy(float_model)
+    quantize_model(quant_model, W4A16Config(method="rtn", group_size=32, sym=False))
+    # The same network with dequantized weights: QLoRA must match LoRA on it up to float rounding.
+    dequant_model = copy.deepcopy(float_model)
+    for name, m in quant_model.named_modules():
+        if isinstance(m, W4A16Linear):
+            dequant_model.get_submodule(name).weight.data.copy_(m.dequantize())
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(1, 128, (4, 16), generator=g) for _ in range(3)]
+
+    float_losses = _train(float_model, data)
+    quant_losses = _train(quant_model, data)
+    dequant_losses = _train(dequant_model, data)
+
+    assert sum(quant_losses[-3:]) / 3 < 0.7 * quant_losses[0], quant_losses
+    max_gap_exact = max(abs(a - b) for a, b in zip(quant_losses, dequant_losses))
+    assert max_gap_exact < 1e-3, f"QLoRA differs from LoRA on the dequantized weights by {max_gap_exact:.2e}"
+    # Tracking float LoRA: the 4-bit grid changes the weights a little, the curve must stay close (stated tolerance:
+    # 0.05 nats mean, 0.15 nats max over 30 steps; measured ~0.01 / ~0.03).
+    gaps = [abs(a - b) for a, b in zip(quant_losses, float_losses)]
+    assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.15, gaps
