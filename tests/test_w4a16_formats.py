@@ -145,6 +145,15 @@ def test_kernel_layout(bits, act_order):
         assert torch.equal(a, b)
     if bits == 4 and not act_order:  # the contract: the kernel qweight IS the GPTQ qweight
         assert torch.equal(kernel.qweight, F.gptq_pack(weight, 4, "gptq_v2")["qweight"])
+    # the direct GPTQ <-> kernel conversions agree with going through the integer codes
+    gptq = F.gptq_pack(weight, bits, "gptq_v2")
+    direct = F.gptq_to_kernel_layout(gptq["qweight"], gptq["qzeros"], gptq["scales"].float(), gptq["g_idx"], bits,
+                                     gs, "gptq_v2", torch.float32, k)
+    for a, b in zip(direct, kernel):
+        assert (a is None and b is None) or torch.equal(a, b)
+    back = F.kernel_to_gptq(*kernel, bits, gs, k, "gptq_v2")
+    for name in gptq:
+        assert torch.equal(back[name], gptq[name]), name
 
 
 def test_format_errors():

@@ -194,7 +194,16 @@ def gptq_pack(weight: IntWeight, bits: int, checkpoint_format: str = "gptq",
     """`IntWeight` -> GPTQ tensors {qweight, qzeros, scales, g_idx}."""
     _check_format(checkpoint_format)
     check_bits(bits)
-    zeros = weight.zeros.to(torch.int64)
+    return {
+        "qweight": pack_rows(weight.codes, bits),
+        "qzeros": _pack_gptq_zeros(weight.zeros, bits, checkpoint_format),
+        "scales": weight.scales.to(scale_dtype).contiguous(),
+        "g_idx": weight.g_idx.to(torch.int32).contiguous(),
+    }
+
+
+def _pack_gptq_zeros(zeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:
+    zeros = zeros.to(torch.int64)
     if checkpoint_format == "gptq":
         if (zeros < 1).any():
             raise ValueError(
@@ -204,12 +213,7 @@ def gptq_pack(weight: IntWeight, bits: int, checkpoint_format: str = "gptq",
         zeros = zeros - 1
     if (zeros >= 2**bits).any() or (zeros < 0).any():
         raise ValueError(f"zero points out of range for {bits}-bit {checkpoint_format} storage")
-    return {
-        "qweight": pack_rows(weight.codes, bits),
-        "qzeros": pack_cols(zeros, bits),
-        "scales": weight.scales.to(scale_dtype).contiguous(),
-        "g_idx": weight.g_idx.to(torch.int32).contiguous(),
-    }
+    return pack_cols(zeros, bits)
 
 
 def gptq_unpack(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -335,3 +339,38 @@ def from_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch
         g_idx = torch.empty_like(g_sorted)
         g_idx[perm] = g_sorted
     return IntWeight(codes, scales, torch.round(zeros.float()).to(torch.int32), g_idx)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# direct GPTQ <-> kernel layout (the packed codes are the same unless act-order rows must move)
+
+
+def gptq_to_kernel_layout(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                          g_idx: torch.Tensor | None, bits: int, group_size: int, checkpoint_format: str,
+                          dtype: torch.dtype, in_features: int) -> KernelTensors:
+    """GPTQ tensors -> kernel layout without unpacking the codes when the groups are already contiguous."""
+    _check_format(checkpoint_format)
+    perm = None if g_idx is None else act_order_perm(g_idx, group_size)
+    if perm is not None:
+        weight = gptq_unpack(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format, in_features)
+        return to_kernel_layout(weight, bits, group_size, dtype)
+    zeros = unpack_cols(qzeros, bits, qweight.shape[1])
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1
+    return KernelTensors(qweight.contiguous(), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), None)
+
+
+def kernel_to_gptq(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None,
+                   bits: int, group_size: int, in_features: int, checkpoint_format: str,
+                   scale_dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """Kernel layout -> GPTQ tensors; the packed codes pass through unless act-order rows must move."""
+    if perm is not None:
+        weight = from_kernel_layout(qweight, scales, zeros, perm, bits, group_size, in_features)
+        return gptq_pack(weight, bits, checkpoint_format, scale_dtype)
+    _check_format(checkpoint_format)
+    return {
+        "qweight": qweight.contiguous(),
+        "qzeros": _pack_gptq_zeros(torch.round(zeros.float()), bits, checkpoint_format),
+        "scales": scales.to(scale_dtype).contiguous(),
+        "g_idx": trivial_g_idx(in_features, group_size, qweight.device),
+    }

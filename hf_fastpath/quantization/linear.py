@@ -253,13 +253,14 @@ class W4A16Linear(nn.Module):
                 F._awq_pack_cols(sym)
         if fmt == "awq":
             weight = F.awq_unpack(qweight, qzeros, scales, self.group_size, self.bits)
+            kernel = F.to_kernel_layout(weight, self.bits, self.group_size, dtype)
         else:
             g_idx = self._buffers["g_idx"] if "g_idx" in loaded else None
-            weight = F.gptq_unpack(qweight, qzeros, scales, g_idx, self.bits, self.group_size, fmt,
-                                   self.in_features)
             if g_idx is not None and ((g_idx < 0).any() or (g_idx >= scales.shape[0]).any()):
                 raise ValueError(f"checkpoint tensor 'g_idx' of {self._describe()} holds group indices outside "
                                  f"[0, {scales.shape[0]})")
+            kernel = F.gptq_to_kernel_layout(qweight, qzeros, scales, g_idx, self.bits, self.group_size, fmt,
+                                             dtype, self.in_features)
         for name in list(specs):
             delattr(self, name)
         self._staging = None
@@ -267,7 +268,7 @@ class W4A16Linear(nn.Module):
         self.register_buffer("scales", None)
         self.register_buffer("zeros", None)
         self.register_buffer("perm", None)
-        self._set_kernel_tensors(F.to_kernel_layout(weight, self.bits, self.group_size, dtype))
+        self._set_kernel_tensors(kernel)
 
     def checkpoint_tensors(self, checkpoint_format: str | None = None,
                            scale_dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
@@ -278,10 +279,10 @@ class W4A16Linear(nn.Module):
         if self.qweight.is_meta:
             specs = self.checkpoint_specs(scale_dtype)
             return {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()}
-        weight = self.int_weight()
         if fmt == "awq":
-            return F.awq_pack(weight, self.bits, scale_dtype)
-        return F.gptq_pack(weight, self.bits, fmt, scale_dtype)
+            return F.awq_pack(self.int_weight(), self.bits, scale_dtype)
+        return F.kernel_to_gptq(self.qweight, self.scales, self.zeros, self.perm, self.bits, self.group_size,
+                                self.in_features, fmt, scale_dtype)
 
     # ------------------------------------------------------------------------------------------------ weights
 
@@ -419,13 +420,13 @@ def _load_checkpoint_state_dict(module: W4A16Linear, state_dict, prefix, local_m
     qzeros = state_dict.pop(prefix + "qzeros")
     scales = state_dict.pop(prefix + "scales")
     g_idx = state_dict.pop(prefix + "g_idx", None)
+    dtype = module.scales.dtype if module.scales is not None else scales.dtype
     if fmt == "awq":
         weight = F.awq_unpack(qweight, qzeros, scales, module.group_size, module.bits)
+        kernel = F.to_kernel_layout(weight, module.bits, module.group_size, dtype)
     else:
-        weight = F.gptq_unpack(qweight, qzeros, scales, g_idx, module.bits, module.group_size, fmt,
-                               module.in_features)
-    dtype = module.scales.dtype if module.scales is not None else scales.dtype
-    kernel = F.to_kernel_layout(weight, module.bits, module.group_size, dtype)
+        kernel = F.gptq_to_kernel_layout(qweight, qzeros, scales, g_idx, module.bits, module.group_size, fmt,
+                                         dtype, module.in_features)
     state_dict[prefix + "qweight"] = kernel.qweight
     state_dict[prefix + "scales"] = kernel.scales
     state_dict[prefix + "zeros"] = kernel.zeros
