@@ -1,0 +1,415 @@
+"""W4A16 benchmark: hf_fastpath's 4-bit kernels against cuBLAS bf16 and torch's int4 tinygemm, same process.
+
+  python benchmarks/w4a16.py                 # correctness check, then timings -> benchmarks/results/w4a16.json
+  python benchmarks/w4a16.py --sweep         # launch-config sweep used to pick the kernel heuristics
+  python benchmarks/w4a16.py --plot FILE     # render the PNG from a result JSON (no GPU needed)
+
+Timing: every call is captured in a CUDA graph (no launch overhead), cycling through enough copies of the weights
+that they do not fit in L2 (50 MB on an H200), so the figures are what a decode step sees. Median of 7 replays.
+Shapes: Llama-3 8B / 70B linears, group size 128, bf16 activations, random asymmetric 4-bit weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # (K, N) = (in_features, out_features)
+MS = [1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096]
+GROUP = 128
+L2_BYTES = 50 * 2**20
+
+
+def load_kernels():
+    """The kernel module by path: benchmarks must not depend on the rest of the package importing cleanly."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "kernels", "w4a16.py")
+    spec = importlib.util.spec_from_file_location("hf_fastpath_w4a16_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weights and references (plain torch, independent of the kernels)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_weights(k, n, group, dtype, device, gen):
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device=device, dtype=torch.int32, generator=gen)
+    g = k // group
+    scales = (torch.rand(g, n, device=device, generator=gen) * 0.02 + 0.002).to(dtype)
+    zeros = torch.randint(0, 16, (g, n), device=device, generator=gen).to(dtype)
+    return qweight, scales, zeros
+
+
+def unpack_reference(qweight, scales, zeros, group):
+    """W [K, N] in float32 from the packed layout, with torch ops only."""
+    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32).view(1, 8, 1) * 4
+    q = ((qweight.unsqueeze(1) >> shifts) & 0xF).reshape(-1, qweight.shape[1]).float()
+    s = scales.float().repeat_interleave(group, 0)
+    z = zeros.float().repeat_interleave(group, 0)
+    return (q - z) * s
+
+
+def tinygemm_pack(w_kn_f32, group):
+    """torch's int4 tinygemm operands for the same W: uint8 [N, K/2] (even k in the high nibble), and
+    scale/zero [K/group, N, 2] with W = (q - 8) * scale + zero."""
+    k, n = w_kn_f32.shape
+    wt = w_kn_f32.t().reshape(n, k // group, group)
+    lo = wt.amin(-1, keepdim=True)
+    hi = wt.amax(-1, keepdim=True)
+    scale = ((hi - lo).clamp(min=1e-6) / 15)
+    q = ((wt - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + scale * 8
+    packed_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8.contiguous(), 8)
+    sz = torch.cat([scale.reshape(n, -1, 1), zero.reshape(n, -1, 1)], 2).transpose(0, 1).contiguous()
+    w_tg = ((q.reshape(n, k // group, group).float() - 8) * scale + zero).reshape(n, k).t()
+    return packed, sz.to(torch.bfloat16), w_tg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def time_graph(fns, target_ms=3.0, replays=7):
+    """Median time (µs) per call of fns[i % len(fns)]() captured back-to-back in one CUDA graph."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    est_ms = max((time.perf_counter() - t0) * 1e3 / len(fns), 1e-3)
+    calls = max(len(fns), min(2000, int(target_ms / est_ms)))
+    calls = math.ceil(calls / len(fns)) * len(fns)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    src = torch.randn(2**28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    us = time_graph([lambda: dst.copy_(src)], target_ms=20)
+    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Benchmark
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Layer:
+    """Enough copies of one layer's weights (ours, bf16, tinygemm) to defeat L2 when cycled."""
+
+    def __init__(self, k, n, gen, with_peers=True):
+        self.k, self.n = k, n
+        int4_bytes = k * n // 2
+        self.copies = max(2, math.ceil(3 * L2_BYTES / int4_bytes))
+        self.quant, self.w_bf16, self.tiny = [], [], []
+        for i in range(self.copies):
+            qw, s, z = make_weights(k, n, GROUP, torch.bfloat16, "cuda", gen)
+            self.quant.append((qw, s, z))
+            if with_peers:
+                w = unpack_reference(qw, s, z, GROUP)
+                self.w_bf16.append(w.t().contiguous().to(torch.bfloat16))  # nn.Linear layout [N, K]
+                if i == 0:
+                    packed, sz, w_tg = tinygemm_pack(w, GROUP)
+                    self.tiny_ref = w_tg
+                else:
+                    packed, sz = torch.ops.aten._convert_weight_to_int4pack(
+                        torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8, generator=gen), 8), sz
+                self.tiny.append((packed, sz))
+                del w
+
+    def bytes_int4(self, m):
+        return self.k * self.n // 2 + 2 * (self.k // GROUP) * self.n * 2 + m * (self.k + self.n) * 2
+
+
+def rel_err(y, ref):
+    return float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+def run_main(args):
+    K = load_kernels()
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    res = dict(
+        gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        torch=torch.__version__, triton=__import__("triton").__version__, cuda=torch.version.cuda,
+        python=platform.python_version(), group_size=GROUP, dtype="bfloat16",
+        timing="CUDA graph of back-to-back calls cycling weight copies (> L2), median of 7 replays, µs per call",
+        shapes=[], copy_bandwidth_GBps=None,
+    )
+    bw = copy_bandwidth()
+    res["copy_bandwidth_GBps"] = bw
+    log(f"device copy bandwidth: {bw:.0f} GB/s")
+    ms = args.ms or MS
+    for (k, n) in (args.shapes or SHAPES):
+        layer = Layer(k, n, gen)
+        entry = dict(K=k, N=n, rows=[])
+        qw, s, z = layer.quant[0]
+        w_ref = unpack_reference(qw, s, z, GROUP)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = x.float() @ w_ref
+            err = rel_err(K.w4a16_matmul(x, qw, s, z, GROUP), ref)
+            err_bwd = rel_err(K.w4a16_matmul_grad_input(dy, qw, s, z, GROUP), dy.float() @ w_ref.t())
+            err_tiny = rel_err(torch.ops.aten._weight_int4pack_mm(x, layer.tiny[0][0], GROUP, layer.tiny[0][1]),
+                               x.float() @ layer.tiny_ref)
+            row = dict(M=m, err_fwd=err, err_grad_input=err_bwd, err_tinygemm=err_tiny)
+            row["ours_us"] = time_graph([lambda q=q: K.w4a16_matmul(x, *q, GROUP) for q in layer.quant])
+            row["cublas_bf16_us"] = time_graph([lambda w=w: x @ w.t() for w in layer.w_bf16])
+            row["tinygemm_us"] = time_graph(
+                [lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], GROUP, t[1]) for t in layer.tiny])
+            row["grad_input_us"] = time_graph(
+                [lambda q=q: K.w4a16_matmul_grad_input(dy, *q, GROUP) for q in layer.quant])
+            row["dequant_cublas_grad_input_us"] = time_graph(
+                [lambda q=q: dy @ K.w4a16_dequantize(*q, GROUP).t() for q in layer.quant])
+            row["speedup_vs_cublas"] = row["cublas_bf16_us"] / row["ours_us"]
+            row["tinygemm_speedup_vs_cublas"] = row["cublas_bf16_us"] / row["tinygemm_us"]
+            row["speedup_vs_tinygemm"] = row["tinygemm_us"] / row["ours_us"]
+            row["grad_input_vs_dequant_cublas"] = row["dequant_cublas_grad_input_us"] / row["grad_input_us"]
+            row["ours_GBps"] = layer.bytes_int4(m) / (row["ours_us"] * 1e-6) / 1e9
+            row["ours_frac_of_copy_bw"] = row["ours_GBps"] / bw
+            row["ours_TFLOPs"] = 2 * m * k * n / (row["ours_us"] * 1e-6) / 1e12
+            row["cublas_TFLOPs"] = 2 * m * k * n / (row["cublas_bf16_us"] * 1e-6) / 1e12
+            entry["rows"].append(row)
+            log(f"K={k:5d} N={n:5d} M={m:4d}  ours {row['ours_us']:8.1f}us  cublas {row['cublas_bf16_us']:8.1f}us "
+                f"({row['speedup_vs_cublas']:.2f}x)  tinygemm {row['tinygemm_us']:8.1f}us  "
+                f"bwd {row['grad_input_us']:8.1f} vs {row['dequant_cublas_grad_input_us']:8.1f}us  "
+                f"{row['ours_GBps']:.0f} GB/s  err {err:.1e}/{err_bwd:.1e}")
+        res["shapes"].append(entry)
+        del layer
+        torch.cuda.empty_cache()
+        save(res, args.out)
+    print_table(res)
+    return res
+
+
+def save(res, out):
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def print_table(res):
+    log(f"\n{res['gpu']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_bandwidth_GBps']:.0f} GB/s")
+    log("K x N          M   ours_us  x cuBLAS  x tinygemm  GB/s(M=1)  bwd x dequant+cuBLAS")
+    for e in res["shapes"]:
+        for r in e["rows"]:
+            gb = f"{r['ours_GBps']:6.0f}" if r["M"] == 1 else "      "
+            log(f"{e['K']:5d}x{e['N']:<6d} {r['M']:5d} {r['ours_us']:9.1f} {r['speedup_vs_cublas']:8.2f} "
+                f"{r['speedup_vs_tinygemm']:10.2f}  {gb}     {r['grad_input_vs_dequant_cublas']:6.2f}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sweep (used once to choose the heuristics in hf_fastpath/kernels/w4a16.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_sweep(args):
+    K = load_kernels()
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    out = dict(gpu=torch.cuda.get_device_name(), triton=__import__("triton").__version__, results=[])
+    gemv_cfgs = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4),
+                 (64, 128, 8, 4), (256, 128, 8, 3)]
+    small_mm = [(64, 128, True, 4, 4), (128, 128, True, 4, 4), (32, 128, True, 4, 4), (64, 64, True, 4, 4),
+                (64, 128, False, 4, 4), (128, 64, False, 4, 4)]
+    big_mm = [(64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False), (128, 128, 128, 8, 3, False),
+              (128, 256, 64, 8, 3, False), (64, 256, 64, 4, 4, False), (128, 128, 64, 4, 4, False),
+              (128, 128, 128, 8, 3, True)]
+    grad_small = [(16, 64, 64, 4, 4), (16, 128, 64, 4, 4), (16, 64, 128, 4, 4)]
+    grad_big = [(128, 64, 128, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 128, 4, 4),
+                (128, 32, 128, 4, 4), (64, 128, 64, 4, 4)]
+    t_start = time.time()
+    for (k, n) in (args.shapes or [SHAPES[1], SHAPES[0], SHAPES[2], SHAPES[3]]):
+        layer = Layer(k, n, gen)
+        qw, s, z = layer.quant[0]
+        w_ref = unpack_reference(qw, s, z, GROUP)
+        for m in (args.ms or [1, 4, 8, 16, 32, 64, 256, 1024, 4096]):
+            if time.time() - t_start > args.budget_s:
+                log("sweep budget spent")
+                return out
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = x.float() @ w_ref
+            ref_b = dy.float() @ w_ref.t()
+            cands = [("peer cublas_bf16", lambda x, y, q, i=[0]: torch.matmul(x, layer.w_bf16[0].t(), out=y)),
+                     ("peer tinygemm", lambda x, y, q: y.copy_(torch.ops.aten._weight_int4pack_mm(
+                         x, layer.tiny[0][0], GROUP, layer.tiny[0][1])))]
+            if m <= 8:
+                for (bn, bk, nw, ns) in gemv_cfgs:
+                    for split in (None, 1):
+                        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                        cands.append((f"gemv bn{bn} bk{bk} w{nw} s{ns} split{split}",
+                                      lambda x, y, q, cfg=cfg, split=split: K._launch_gemv(x, *q, GROUP, y, cfg,
+                                                                                          split)))
+            if m <= 64:
+                bm = max(16, triton_next_pow2(m))
+                for (bn, bk, fac, nw, ns) in small_mm:
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FACTORED=fac, num_warps=nw,
+                               num_stages=ns)
+                    cands.append((f"mm bm{bm} bn{bn} bk{bk} f{int(fac)} w{nw} s{ns}",
+                                  lambda x, y, q, cfg=cfg: K._launch_mm(x, *q, GROUP, y, cfg)))
+            if m >= 256:
+                for (bm, bn, bk, nw, ns, fac) in big_mm:
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FACTORED=fac, num_warps=nw,
+                               num_stages=ns)
+                    cands.append((f"mm bm{bm} bn{bn} bk{bk} f{int(fac)} w{nw} s{ns}",
+                                  lambda x, y, q, cfg=cfg: K._launch_mm(x, *q, GROUP, y, cfg)))
+                cands.append(("dequant+cublas", lambda x, y, q: torch.matmul(x, K.w4a16_dequantize(*q, GROUP),
+                                                                             out=y)))
+            for name, fn in cands:
+                y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                try:
+                    fn(x, y, layer.quant[0])
+                    err = rel_err(y, ref)
+                    if name.startswith("peer"):  # cycle the peers' own weight copies
+                        peer = [lambda w=w: torch.matmul(x, w.t(), out=y) for w in layer.w_bf16] if "cublas" in name \
+                            else [lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], GROUP, t[1]) for t in layer.tiny]
+                        us = time_graph(peer, replays=5)
+                    else:
+                        us = time_graph([lambda q=q: fn(x, y, q) for q in layer.quant], replays=5)
+                except Exception as exc:  # noqa: BLE001 - a config that fails to compile is data too
+                    out["results"].append(dict(K=k, N=n, M=m, kind="fwd", cfg=name, error=repr(exc)[:300]))
+                    log(f"K={k} N={n} M={m} {name}: ERROR {repr(exc)[:200]}")
+                    continue
+                out["results"].append(dict(K=k, N=n, M=m, kind="fwd", cfg=name, us=us, err=err))
+                log(f"K={k} N={n} M={m} fwd {name}: {us:.1f}us err {err:.1e}")
+            if m in (1, 16, 256, 1024, 4096):
+                gcands = [(f"grad bm{bm} bn{bn} bk{bk} w{nw} s{ns}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                                                          GROUP_M=8, num_warps=nw, num_stages=ns))
+                          for (bm, bn, bk, nw, ns) in (grad_small if m <= 64 else grad_big)]
+                for name, cfg in gcands + [("dequant+cublas", None)]:
+                    try:
+                        if cfg is None:
+                            fn = lambda q: dy @ K.w4a16_dequantize(*q, GROUP).t()  # noqa: E731
+                        else:
+                            def fn(q, cfg=cfg):
+                                old = K._grad_input_config
+                                K._grad_input_config = lambda *a, cfg=cfg: cfg
+                                try:
+                                    return K.w4a16_matmul_grad_input(dy, *q, GROUP)
+                                finally:
+                                    K._grad_input_config = old
+                        err = rel_err(fn(layer.quant[0]), ref_b)
+                        us = time_graph([lambda q=q: fn(q) for q in layer.quant], replays=5)
+                    except Exception as exc:  # noqa: BLE001
+                        out["results"].append(dict(K=k, N=n, M=m, kind="grad", cfg=name, error=repr(exc)[:300]))
+                        log(f"K={k} N={n} M={m} {name}: ERROR {repr(exc)[:200]}")
+                        continue
+                    out["results"].append(dict(K=k, N=n, M=m, kind="grad", cfg=name, us=us, err=err))
+                    log(f"K={k} N={n} M={m} grad {name}: {us:.1f}us err {err:.1e}")
+            save(out, args.out)
+        del layer
+        torch.cuda.empty_cache()
+    return out
+
+
+def triton_next_pow2(v):
+    return 1 << (v - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plot(json_path, png_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        res = json.load(f)
+    shapes = res["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 4), sharey=True)
+    for ax, e in zip(axes if len(shapes) > 1 else [axes], shapes):
+        ms = [r["M"] for r in e["rows"]]
+        ax.plot(ms, [r["speedup_vs_cublas"] for r in e["rows"]], "o-", label="hf_fastpath W4A16")
+        ax.plot(ms, [r["tinygemm_speedup_vs_cublas"] for r in e["rows"]], "s--", label="torch int4 tinygemm")
+        ax.plot(ms, [r["grad_input_vs_dequant_cublas"] for r in e["rows"]], "^:",
+                label="grad_input / (dequant + cuBLAS)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"K={e['K']} N={e['N']}")
+        ax.set_xlabel("M (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    (axes[0] if len(shapes) > 1 else axes).set_ylabel("speed-up over cuBLAS bf16 (x)")
+    (axes[0] if len(shapes) > 1 else axes).legend(fontsize=8)
+    fig.suptitle(f"W4A16 group {res['group_size']}, {res['gpu']}, torch {res['torch']}, triton {res['triton']}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--plot", metavar="JSON")
+    p.add_argument("--out", default=None)
+    p.add_argument("--ms", type=int, nargs="*")
+    p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="*")
+    p.add_argument("--budget-s", type=float, default=1e9)
+    args = p.parse_args()
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    if args.plot:
+        plot(args.plot, args.out or os.path.join(here, "w4a16.png"))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    if args.sweep:
+        args.out = args.out or os.path.join(here, "w4a16_sweep.json")
+        run_sweep(args)
+    else:
+        args.out = args.out or os.path.join(here, "w4a16.json")
+        run_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,606 @@
+"""W4A16 matmuls: 4-bit packed weights, fp16/bf16 activations, fp32 accumulation, in Triton.
+
+Weight layout (the contract shared with `hf_fastpath.quantization`; K = in_features, N = out_features, G = K // gs):
+  qweight int32 [K // 8, N]   input row k sits in word k // 8 at bits 4 * (k % 8)  (GPTQ layout, N contiguous)
+  scales, zeros [G, N]        activation dtype; zeros is the zero point as a float (8.0 for symmetric 4-bit)
+  W[k, n] = scales[k // gs, n] * (nibble(k, n) - zeros[k // gs, n]),   y = x @ W.
+
+How the kernels avoid the usual costs (all measured / read off the SASS on sm_90):
+  * Small M (decode, M <= 64) computes y^T = W^T x^T so the weights are the *register* operand of the tensor-core
+    dot: Triton then loads the packed words straight into the MMA operand layout (no shared-memory round trip for
+    the unpacked weights) and the unpack runs in that layout.
+  * A word holds input rows 8i..8i+7. Instead of reshaping unpacked nibbles into K order (a layout shuffle), nibble
+    j of every word forms its own [BLOCK_N, BLOCK_K/8] tile, multiplied by the x columns 8i+j: eight chained dots.
+  * The unpack is a few PTX instructions per *pair* of words: PRMT pairs two words' halves, and one LOP3 turns a
+    nibble pair into two fp16/bf16 "magic" numbers (bias + q, bias = 1024 fp16 / 128 bf16), ~1 instruction per
+    weight instead of shift + int-to-float convert + scale per weight.
+  * M <= 16: the dot runs on bias + q and scale/zero are applied once per output and group:
+    y += s * (x.(bias+q) - (z + bias) * sum(x)). Larger M: weights are dequantized in pairs (q*s - z*s, fma).
+  * Large M (> 64): dequantize W once into a scratch tile and call cuBLAS: on an H200 this beat our fused
+    tensor-core kernel at every M >= 256 (the fused one is limited by the in-loop dequantization).
+  * Split-K partial sums meet in an fp32 buffer through atomics, then one cast.
+Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["w4a16_matmul", "w4a16_matmul_grad_input", "w4a16_dequantize"]
+
+logger = logging.getLogger(__name__)
+
+DECODE_MAX_M = 64  # above this many rows: dequantize + cuBLAS (measured faster on H200 from M = 256 up)
+_BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: the minimum tensor-core K)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Unpacking: PTX on the GPU, plain Triton ops under the interpreter (or if the PTX self-check ever fails)
+# ----------------------------------------------------------------------------------------------------------------
+
+# Two words in ($8, $9) -> eight registers, each two 16-bit floats: nibble j of word $8 (low half) and of $9 (high).
+# lo/hi gather the low/high 16 bits of both words, so nibbles (j, j) of the two words sit 16 bits apart and one
+# LOP3 ((v & 0x000F000F) | magic) makes the pair of magic numbers bias + q.
+_PTX_HEAD = """{{
+.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3, c1, c2, s2, z2;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+shr.u32 a1, lo, 4;
+shr.u32 a2, lo, 8;
+shr.u32 a3, lo, 12;
+shr.u32 b1, hi, 4;
+shr.u32 b2, hi, 8;
+shr.u32 b3, hi, 12;
+lop3.b32 $0, lo, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $1, a1, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $2, a2, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $3, a3, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $4, hi, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $5, b1, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $6, b2, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $7, b3, 0x000F000F, {magic}, 0xEA;
+"""
+# Dequantize each pair: q = (bias + q) - bias exactly, then q * s + (-z * s) with one rounding. $10/$11 hold the
+# scale and -zero*scale pairs of the two words.
+_PTX_DEQUANT = "".join(
+    f"fma.rn.{{t}}x2 $%d, $%d, c1, c2;\nfma.rn.{{t}}x2 $%d, $%d, $10, $11;\n" % (i, i, i, i) for i in range(8))
+_PTX_CONSTS = {"bf16": dict(magic="0x43004300", one="0x3F803F80", mbias="0xC300C300"),
+               "f16": dict(magic="0x64006400", one="0x3C003C00", mbias="0xE400E400")}
+
+
+def _ptx(kind: str, dequant: bool) -> str:
+    c = _PTX_CONSTS[kind]
+    body = ""
+    if dequant:
+        body = f"mov.b32 c1, {c['one']};\nmov.b32 c2, {c['mbias']};\n" + _PTX_DEQUANT.format(t=kind)
+    return _PTX_HEAD.format(magic=c["magic"]) + body + "}"
+
+
+UNPACK_BF16 = tl.constexpr(_ptx("bf16", False))
+UNPACK_F16 = tl.constexpr(_ptx("f16", False))
+DEQUANT_BF16 = tl.constexpr(_ptx("bf16", True))
+DEQUANT_F16 = tl.constexpr(_ptx("f16", True))
+DEQUANT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r")  # 8 pair outputs; 2 words, s pair, -z*s pair
+UNPACK_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
+
+
+@triton.jit
+def _nibbles8(w, s, nzs, like, DEQUANT: tl.constexpr, USE_PTX: tl.constexpr):
+    """Word tile -> 8 tiles of its shape in like's dtype: nibble j of every word, as bias + q (DEQUANT=False) or
+    dequantized q * s + nzs (s, nzs = -z * s: tiles of w's shape in that dtype)."""
+    dtype = like.dtype
+    if USE_PTX:
+        if DEQUANT:
+            if dtype == tl.bfloat16:
+                return tl.inline_asm_elementwise(DEQUANT_BF16, DEQUANT_CONSTRAINTS, [w, s, nzs],
+                                                 dtype=(dtype,) * 8, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(DEQUANT_F16, DEQUANT_CONSTRAINTS, [w, s, nzs],
+                                                 dtype=(dtype,) * 8, is_pure=True, pack=2)
+        else:
+            if dtype == tl.bfloat16:
+                return tl.inline_asm_elementwise(UNPACK_BF16, UNPACK_CONSTRAINTS, [w],
+                                                 dtype=(dtype,) * 8, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(UNPACK_F16, UNPACK_CONSTRAINTS, [w],
+                                                 dtype=(dtype,) * 8, is_pure=True, pack=2)
+    else:
+        if DEQUANT:
+            return (_deq(w, 0, s, nzs, dtype), _deq(w, 4, s, nzs, dtype), _deq(w, 8, s, nzs, dtype),
+                    _deq(w, 12, s, nzs, dtype), _deq(w, 16, s, nzs, dtype), _deq(w, 20, s, nzs, dtype),
+                    _deq(w, 24, s, nzs, dtype), _deq(w, 28, s, nzs, dtype))
+        else:
+            return (_magic(w, 0, dtype), _magic(w, 4, dtype), _magic(w, 8, dtype), _magic(w, 12, dtype),
+                    _magic(w, 16, dtype), _magic(w, 20, dtype), _magic(w, 24, dtype), _magic(w, 28, dtype))
+
+
+@triton.jit
+def _magic(w, shift: tl.constexpr, dtype: tl.constexpr):
+    q = ((w >> shift) & 0xF).to(tl.float32)
+    if dtype == tl.bfloat16:
+        return (q + 128.0).to(dtype)
+    else:
+        return (q + 1024.0).to(dtype)
+
+
+@triton.jit
+def _deq(w, shift: tl.constexpr, s, nzs, dtype: tl.constexpr):
+    q = ((w >> shift) & 0xF).to(tl.float32)
+    return (q * s.to(tl.float32) + nzs.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _dot(a, b, acc, FP32: tl.constexpr):
+    if FP32:  # the interpreter's 16-bit dot is wrong; fp32 is exact there
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K, stride_xm, stride_om, group_size, tiles_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FACTORED: tl.constexpr, PER_ROW_GROUPS: tl.constexpr, EVEN_K: tl.constexpr, ATOMIC: tl.constexpr,
+    USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split."""
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_i = tl.arange(0, BLOCK_K8)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # Out-of-range rows/columns read clamped (valid) addresses instead of masking every load; their results are
+    # dropped by the masked store. Only a ragged K tail must be zeroed (in x), which EVEN_K rules out.
+    n_safe = tl.minimum(offs_n, N - 1)
+    m_safe = tl.minimum(offs_m, M - 1)
+    n_words = K // 8
+    kt_start = pid_k * tiles_per_split
+    kt_end = tl.minimum(kt_start + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    xt_ptrs = x_ptr + m_safe[None, :] * stride_xm + offs_i[:, None] * 8  # x^T columns 8 i (+ j below)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kt in range(kt_start, kt_end):
+        k0 = kt * BLOCK_K
+        rows = kt * BLOCK_K8 + offs_i
+        if EVEN_K:
+            w = tl.load(qw_ptr + rows[None, :] * N + n_safe[:, None])
+            xp = xt_ptrs + k0
+            x0 = tl.load(xp)
+            x1 = tl.load(xp + 1)
+            x2 = tl.load(xp + 2)
+            x3 = tl.load(xp + 3)
+            x4 = tl.load(xp + 4)
+            x5 = tl.load(xp + 5)
+            x6 = tl.load(xp + 6)
+            x7 = tl.load(xp + 7)
+        else:
+            row_ok = rows < n_words
+            w = tl.load(qw_ptr + tl.minimum(rows, n_words - 1)[None, :] * N + n_safe[:, None])
+            xm = row_ok[:, None]
+            xp = xt_ptrs + k0
+            x0 = tl.load(xp, mask=xm, other=0.0)
+            x1 = tl.load(xp + 1, mask=xm, other=0.0)
+            x2 = tl.load(xp + 2, mask=xm, other=0.0)
+            x3 = tl.load(xp + 3, mask=xm, other=0.0)
+            x4 = tl.load(xp + 4, mask=xm, other=0.0)
+            x5 = tl.load(xp + 5, mask=xm, other=0.0)
+            x6 = tl.load(xp + 6, mask=xm, other=0.0)
+            x7 = tl.load(xp + 7, mask=xm, other=0.0)
+        if FACTORED:  # one group per K tile: dot with bias + q, scale once per output
+            g = k0 // group_size
+            s = tl.load(s_ptr + g * N + n_safe).to(tl.float32)
+            z = tl.load(z_ptr + g * N + n_safe).to(tl.float32)
+            q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, x0, False, USE_PTX)
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            part = _dot(q0, x0, part, FP32_DOT)
+            part = _dot(q1, x1, part, FP32_DOT)
+            part = _dot(q2, x2, part, FP32_DOT)
+            part = _dot(q3, x3, part, FP32_DOT)
+            part = _dot(q4, x4, part, FP32_DOT)
+            part = _dot(q5, x5, part, FP32_DOT)
+            part = _dot(q6, x6, part, FP32_DOT)
+            part = _dot(q7, x7, part, FP32_DOT)
+            xs = (x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32)
+                  + x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32))
+            xsum = tl.sum(xs, axis=0)
+            if dtype == tl.bfloat16:
+                zb = z + 128.0
+            else:
+                zb = z + 1024.0
+            acc += s[:, None] * (part - zb[:, None] * xsum[None, :])
+        else:
+            if PER_ROW_GROUPS:  # groups smaller than the K tile: one group per packed row (group_size % 8 == 0)
+                g2 = (tl.minimum(rows, n_words - 1) * 8 // group_size)[None, :] * N + n_safe[:, None]
+                s2 = tl.load(s_ptr + g2)
+                z2 = tl.load(z_ptr + g2)
+            else:
+                g = k0 // group_size
+                s1 = tl.load(s_ptr + g * N + n_safe)
+                z1 = tl.load(z_ptr + g * N + n_safe)
+                s2 = tl.broadcast_to(s1[:, None], (BLOCK_N, BLOCK_K8))
+                z2 = tl.broadcast_to(z1[:, None], (BLOCK_N, BLOCK_K8))
+            nzs = (-(z2.to(tl.float32) * s2.to(tl.float32))).to(dtype)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _nibbles8(w, s2, nzs, nzs, True, USE_PTX)
+            acc = _dot(d0, x0, acc, FP32_DOT)
+            acc = _dot(d1, x1, acc, FP32_DOT)
+            acc = _dot(d2, x2, acc, FP32_DOT)
+            acc = _dot(d3, x3, acc, FP32_DOT)
+            acc = _dot(d4, x4, acc, FP32_DOT)
+            acc = _dot(d5, x5, acc, FP32_DOT)
+            acc = _dot(d6, x6, acc, FP32_DOT)
+            acc = _dot(d7, x7, acc, FP32_DOT)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = m_mask[None, :] & n_mask[:, None]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_grad_kernel(
+    dy_ptr, qw_ptr, s_ptr, z_ptr, dx_ptr,
+    M, N, K, stride_dym, stride_dxm, group_size, tiles_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """dx^T[k, m] = sum_n W[k, n] dy[m, n] for 8 row-sets k = 8 i + j of one K tile, over one split of N."""
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    dtype = dy_ptr.dtype.element_ty
+    rows = pid_k * BLOCK_K8 + tl.arange(0, BLOCK_K8)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    n_words = K // 8
+    row_ok = rows < n_words
+    g_rows = tl.minimum(rows, n_words - 1) * 8 // group_size  # all 8 rows of a word share a group
+    nt_start = pid_n * tiles_per_split
+    nt_end = tl.minimum(nt_start + tiles_per_split, tl.cdiv(N, BLOCK_N))
+    a0 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a4 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a5 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a6 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a7 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    for nt in range(nt_start, nt_end):
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        wm = row_ok[:, None] & n_mask[None, :]
+        w = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=wm, other=0)
+        sz = g_rows[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + sz, mask=wm, other=0.0)
+        z = tl.load(z_ptr + sz, mask=wm, other=0.0)
+        nzs = (-(z.to(tl.float32) * s.to(tl.float32))).to(dtype)
+        dyt = tl.load(dy_ptr + offs_m[None, :] * stride_dym + offs_n[:, None], mask=n_mask[:, None] & m_mask[None, :],
+                      other=0.0)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _nibbles8(w, s, nzs, nzs, True, USE_PTX)
+        a0 = _dot(d0, dyt, a0, FP32_DOT)
+        a1 = _dot(d1, dyt, a1, FP32_DOT)
+        a2 = _dot(d2, dyt, a2, FP32_DOT)
+        a3 = _dot(d3, dyt, a3, FP32_DOT)
+        a4 = _dot(d4, dyt, a4, FP32_DOT)
+        a5 = _dot(d5, dyt, a5, FP32_DOT)
+        a6 = _dot(d6, dyt, a6, FP32_DOT)
+        a7 = _dot(d7, dyt, a7, FP32_DOT)
+    base = dx_ptr + offs_m[None, :] * stride_dxm + rows[:, None] * 8
+    mask = row_ok[:, None] & m_mask[None, :]
+    _store_rows(base, a0, mask, ATOMIC)
+    _store_rows(base + 1, a1, mask, ATOMIC)
+    _store_rows(base + 2, a2, mask, ATOMIC)
+    _store_rows(base + 3, a3, mask, ATOMIC)
+    _store_rows(base + 4, a4, mask, ATOMIC)
+    _store_rows(base + 5, a5, mask, ATOMIC)
+    _store_rows(base + 6, a6, mask, ATOMIC)
+    _store_rows(base + 7, a7, mask, ATOMIC)
+
+
+@triton.jit
+def _store_rows(ptrs, vals, mask, ATOMIC: tl.constexpr):
+    if ATOMIC:
+        tl.atomic_add(ptrs, vals, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, vals.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
+                    BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, USE_PTX: tl.constexpr):
+    """W[k, n] for a [8 * BLOCK_K8, BLOCK_N] tile: nibble j of word row i goes to row 8 i + j."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    dtype = w_ptr.dtype.element_ty
+    rows = pid_k * BLOCK_K8 + tl.arange(0, BLOCK_K8)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_words = K // 8
+    mask = (rows < n_words)[:, None] & (offs_n < N)[None, :]
+    w = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    sz = (tl.minimum(rows, n_words - 1) * 8 // group_size)[:, None] * N + offs_n[None, :]
+    s = tl.load(s_ptr + sz, mask=mask, other=0.0)
+    z = tl.load(z_ptr + sz, mask=mask, other=0.0)
+    nzs = (-(z.to(tl.float32) * s.to(tl.float32))).to(dtype)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _nibbles8(w, s.to(dtype), nzs, nzs, True, USE_PTX)
+    base = w_ptr + (rows * 8)[:, None] * N + offs_n[None, :]
+    tl.store(base, d0, mask=mask)
+    tl.store(base + N, d1, mask=mask)
+    tl.store(base + 2 * N, d2, mask=mask)
+    tl.store(base + 3 * N, d3, mask=mask)
+    tl.store(base + 4 * N, d4, mask=mask)
+    tl.store(base + 5 * N, d5, mask=mask)
+    tl.store(base + 6 * N, d6, mask=mask)
+    tl.store(base + 7 * N, d7, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_weights(qweight, scales, zeros, group_size, act_dtype, device, what):
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"{what}: qweight must be a 2-D int32 tensor [K // 8, N], got "
+                         f"{getattr(qweight, 'dtype', type(qweight))} {tuple(getattr(qweight, 'shape', ()))}; "
+                         "pack the weights with hf_fastpath.quantization first")
+    k = qweight.shape[0] * 8
+    n = qweight.shape[1]
+    if group_size is None or group_size == -1:
+        group_size = k
+    group_size = int(group_size)
+    if group_size <= 0:
+        raise ValueError(f"{what}: group_size must be positive or -1 (one group over all of K), got {group_size}")
+    if k % group_size != 0:
+        raise ValueError(f"{what}: K = {k} (qweight rows * 8) must be a multiple of group_size = {group_size}")
+    n_groups = k // group_size
+    if n_groups > 1 and group_size % 8 != 0:
+        raise ValueError(f"{what}: group_size = {group_size} must be a multiple of 8 (a packed word must not span "
+                         "two groups)")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (n_groups, n):
+            raise ValueError(f"{what}: {name} must have shape [K // group_size, N] = [{n_groups}, {n}], "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != act_dtype:
+            raise ValueError(f"{what}: {name} dtype {t.dtype} differs from the activation dtype {act_dtype}; "
+                             f"cast it once at load time (e.g. {name}.to({act_dtype}))")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        if t.device != device:
+            raise ValueError(f"{what}: {name} is on {t.device} but the activations are on {device}")
+    return k, n, group_size
+
+
+def _check_activation(x, what, name):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: {name} must be a tensor, got {type(x)}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{what}: {name} must be float16 or bfloat16, got {x.dtype}; cast the input "
+                         f"(e.g. {name}.to(torch.bfloat16)) or load the model in a 16-bit dtype")
+    if x.dim() < 1:
+        raise ValueError(f"{what}: {name} must have at least one dimension")
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{what}: the Triton kernels need a CUDA tensor, got {x.device} "
+                         "(set TRITON_INTERPRET=1 to run them, slowly, on the CPU)")
+
+
+def _contiguous(t):
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launch choices
+# ----------------------------------------------------------------------------------------------------------------
+
+_NUM_SMS: dict = {}
+_PTX_OK: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _splits(tiles: int, steps: int, n_sms: int, min_steps: int = 2, per_sm: int = 2) -> int:
+    """Split the reduction until about `per_sm` programs per SM are busy, keeping >= min_steps steps per split."""
+    split = 1
+    while tiles * split < per_sm * n_sms and steps // (split * 2) >= min_steps:
+        split *= 2
+    return split
+
+
+def _use_ptx(device, dtype) -> bool:
+    """The PTX unpack, verified once per device and dtype against the plain-Triton unpack (guards against a
+    Triton version packing inline-asm operands differently); on a mismatch fall back with a warning."""
+    if _interpreting() or device.type != "cuda":
+        return False
+    key = (device.index, dtype)
+    if key not in _PTX_OK:
+        if torch.cuda.is_current_stream_capturing():
+            return True  # cannot check while a CUDA graph is being captured; the first eager call checks
+        gen = torch.Generator(device=device).manual_seed(1234)
+        k, n, gs = 256, 96, 64
+        qw = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device=device, dtype=torch.int32, generator=gen)
+        s = (torch.rand(k // gs, n, device=device, generator=gen) + 0.5).to(dtype)
+        z = torch.randint(0, 16, (k // gs, n), device=device, generator=gen).to(dtype)
+        a = _dequantize(qw, s, z, gs, dtype, use_ptx=True)
+        b = _dequantize(qw, s, z, gs, dtype, use_ptx=False)
+        ok = bool(torch.equal(a, b))
+        if not ok:
+            logger.warning("hf_fastpath W4A16: the PTX nibble unpack disagrees with the reference unpack on this "
+                           "Triton %s; using the slower plain-Triton unpack", triton.__version__)
+        _PTX_OK[key] = ok
+    return _PTX_OK[key]
+
+
+def _decode_config(m: int, interpret: bool):
+    if interpret:
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=256, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_N=128, num_warps=4, num_stages=4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, factored=None):
+    m, k = x2.shape
+    n = qweight.shape[1]
+    interpret = _interpreting()
+    cfg = cfg or _decode_config(m, interpret)
+    aligned = group_size % _BLOCK_K == 0 or group_size == k
+    if factored is None:
+        factored = cfg["BLOCK_M"] <= 16
+    factored = factored and aligned
+    per_row = not aligned
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
+    k_steps = triton.cdiv(k, _BLOCK_K)
+    if split_k is None:
+        split_k = _splits(n_tiles * m_tiles, k_steps, _num_sms(x2.device))
+    per_split = triton.cdiv(k_steps, split_k)
+    split_k = triton.cdiv(k_steps, per_split)
+    target = out if split_k == 1 else torch.zeros((m, n), device=x2.device, dtype=torch.float32)
+    _decode_kernel[(n_tiles, split_k, m_tiles)](
+        x2, qweight, scales, zeros, target, m, n, k, x2.stride(0), target.stride(0), group_size, per_split,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, FACTORED=factored, PER_ROW_GROUPS=per_row,
+        EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_k > 1, USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split_k > 1:
+        out.copy_(target)
+    return out
+
+
+def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, split_n=None):
+    m, n = dy2.shape
+    k = qweight.shape[0] * 8
+    interpret = _interpreting()
+    if cfg is None:
+        # One warp per program: with a 16-row output tile more warps would only replicate the unpacking.
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if interpret else \
+            dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=32, num_warps=1, num_stages=4)
+    k_tiles = triton.cdiv(k, _BLOCK_K)
+    m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
+    n_steps = triton.cdiv(n, cfg["BLOCK_N"])
+    if split_n is None:
+        split_n = _splits(k_tiles * m_tiles, n_steps, _num_sms(dy2.device), min_steps=4, per_sm=8)
+    per_split = triton.cdiv(n_steps, split_n)
+    split_n = triton.cdiv(n_steps, per_split)
+    target = dx if split_n == 1 else torch.zeros((m, k), device=dy2.device, dtype=torch.float32)
+    _decode_grad_kernel[(k_tiles, split_n, m_tiles)](
+        dy2, qweight, scales, zeros, target, m, n, k, dy2.stride(0), target.stride(0), group_size, per_split,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, ATOMIC=split_n > 1,
+        USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split_n > 1:
+        dx.copy_(target)
+    return dx
+
+
+def _dequantize(qweight, scales, zeros, group_size, dtype, use_ptx=None):
+    k = qweight.shape[0] * 8
+    n = qweight.shape[1]
+    w = torch.empty((k, n), device=qweight.device, dtype=dtype)
+    block_k8, block_n, warps = (4, 16, 4) if _interpreting() else (16, 256, 8)
+    if use_ptx is None:
+        use_ptx = _use_ptx(qweight.device, dtype)
+    grid = (triton.cdiv(k // 8, block_k8), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n, BLOCK_K8=block_k8,
+                          USE_PTX=use_ptx, num_warps=warps)
+    return w
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """y = x @ W with W held as 4-bit words (layout in the module docstring).
+
+    x: [..., K] float16/bfloat16 (contiguous last dim preferred); returns [..., N] in x's dtype.
+    group_size: K // scales.shape[0], or -1 for one group over all of K.
+    M (rows of x) <= 64 runs the fused decode kernel; larger M dequantizes W into a temporary [K, N] tensor
+    (K * N * 2 bytes) and calls cuBLAS, which measured faster there.
+    """
+    what = "w4a16_matmul"
+    _check_activation(x, what, "x")
+    k, n, group_size = _check_weights(qweight, scales, zeros, group_size, x.dtype, x.device, what)
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x.shape[-1]} features but qweight holds K = {k} (qweight.shape[0] * 8)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    qweight, scales, zeros = _contiguous(qweight), _contiguous(scales), _contiguous(zeros)
+    if m > DECODE_MAX_M:
+        return torch.matmul(x2, _dequantize(qweight, scales, zeros, group_size, x.dtype)).reshape(*lead, n)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m > 0 and n > 0:
+        _decode_matmul(x2, qweight, scales, zeros, group_size, out)
+    return out.reshape(*lead, n)
+
+
+def w4a16_matmul_grad_input(dy: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int) -> torch.Tensor:
+    """dx = dy @ W^T: dy [..., N] float16/bfloat16 -> dx [..., K] in dy's dtype (the input gradient of y = x @ W).
+    Same M split as `w4a16_matmul`: fused for M <= 64, dequantize + cuBLAS above."""
+    what = "w4a16_matmul_grad_input"
+    _check_activation(dy, what, "dy")
+    k, n, group_size = _check_weights(qweight, scales, zeros, group_size, dy.dtype, dy.device, what)
+    if dy.shape[-1] != n:
+        raise ValueError(f"{what}: dy has {dy.shape[-1]} features but qweight holds N = {n} (qweight.shape[1])")
+    lead = dy.shape[:-1]
+    dy2 = dy.reshape(-1, n)
+    if dy2.stride(-1) != 1 or (dy2.shape[0] > 1 and dy2.stride(0) < n):
+        dy2 = dy2.contiguous()
+    m = dy2.shape[0]
+    qweight, scales, zeros = _contiguous(qweight), _contiguous(scales), _contiguous(zeros)
+    if m > DECODE_MAX_M:
+        return torch.matmul(dy2, _dequantize(qweight, scales, zeros, group_size, dy.dtype).t()).reshape(*lead, k)
+    dx = torch.empty((m, k), device=dy.device, dtype=dy.dtype)
+    if m > 0:
+        if n == 0:
+            dx.zero_()
+        else:
+            _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx)
+    return dx.reshape(*lead, k)
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Materialise W [K, N] (rounded once to scales' dtype, or `dtype`): for peers, LoRA merging, debugging."""
+    what = "w4a16_dequantize"
+    if not isinstance(scales, torch.Tensor) or scales.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{what}: scales must be a float16 or bfloat16 tensor, got {getattr(scales, 'dtype', None)}")
+    if qweight.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{what}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+    k, n, group_size = _check_weights(qweight, scales, zeros, group_size, scales.dtype, qweight.device, what)
+    dtype = dtype or scales.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{what}: dtype must be float16 or bfloat16, got {dtype}")
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    return _dequantize(_contiguous(qweight), _contiguous(scales), _contiguous(zeros), group_size, dtype)
