@@ -170,3 +170,29 @@ def test_backend_choice(tmp_path, monkeypatch):
 
 def _refuse(self, *args, **kwargs):
     raise RuntimeError("original quantizer called")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_checkpoint_runs_on_kernels(dtype, tmp_path):
+    from hf_fastpath.quantization import w4a16_backend
+
+    model = tiny_model("llama")
+    reference = write_quantized_checkpoint(model, tmp_path, QuantSpec("gptq", desc_act=True, sym=False,
+                                                                      checkpoint_format="gptq_v2"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, device_map="cuda").eval()
+    layer = loaded.model.layers[0].mlp.down_proj
+    assert isinstance(layer, W4A16Linear) and layer.qweight.is_cuda and layer.scales.dtype == dtype
+    ids, mask = random_batch()
+    with w4a16_backend("kernel"):  # raises instead of silently falling back
+        got = logits(loaded, ids.cuda(), mask.cuda()).float().cpu()
+        x = torch.randn(5, layer.in_features, device="cuda", dtype=dtype, requires_grad=True)
+        layer(x).float().pow(2).sum().backward()
+    expected = logits(reference, ids, mask)
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    w = layer.dequantize().cuda().double()  # [N, K]
+    y = x.detach().double() @ w.t()
+    if layer.bias is not None:
+        y = y + layer.bias.double()
+    dx = 2 * y @ w  # d/dx of sum(y**2)
+    torch.testing.assert_close(x.grad.double(), dx, rtol=5e-2, atol=5e-2 * dx.abs().max().item())
