@@ -150,9 +150,13 @@ def replace_for_checkpoint(model: nn.Module, config, checkpoint_keys: set[str] |
     modules = dict(model.named_modules())
     base_prefix = getattr(model, "base_model_prefix", "")
     if checkpoint_keys is not None:
-        names = {_module_name_for(k[: -len(".qweight")], set(modules), base_prefix)
-                 for k in checkpoint_keys if k.endswith(".qweight")}
-        names.discard(None)
+        prefixes = [k[: -len(".qweight")] for k in checkpoint_keys if k.endswith(".qweight")]
+        matched = {p: _module_name_for(p, set(modules), base_prefix) for p in prefixes}
+        unmatched = sorted(p for p, name in matched.items() if name is None)
+        if unmatched:
+            logger.warning("%d quantized layer(s) of the checkpoint match no module of %s and stay unloaded, e.g. %s",
+                           len(unmatched), type(model).__name__, unmatched[:3])
+        names = {name for name in matched.values() if name is not None}
         with_bias = {_module_name_for(k[: -len(".bias")], set(modules), base_prefix)
                      for k in checkpoint_keys if k.endswith(".bias")}
     else:
