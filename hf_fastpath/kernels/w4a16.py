@@ -417,7 +417,7 @@ _PTX_OK: dict = {}
 
 def _num_sms(device) -> int:
     if device.type != "cuda":
-        return 4
+        return 1  # the interpreter: fewest programs
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -458,7 +458,7 @@ def _use_ptx(device, dtype) -> bool:
 
 def _decode_config(m: int, interpret: bool):
     if interpret:
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=256, num_warps=8, num_stages=4)
     return dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_N=128, num_warps=4, num_stages=4)
@@ -503,7 +503,7 @@ def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, sp
     interpret = _interpreting()
     if cfg is None:
         # One warp per program: with a 16-row output tile more warps would only replicate the unpacking.
-        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if interpret else \
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1) if interpret else \
             dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=32, num_warps=1, num_stages=4)
     k_tiles = triton.cdiv(k, _BLOCK_K)
     m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
@@ -527,7 +527,7 @@ def _dequantize(qweight, scales, zeros, group_size, dtype, use_ptx=None):
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     w = torch.empty((k, n), device=qweight.device, dtype=dtype)
-    block_k8, block_n, warps = (4, 16, 4) if _interpreting() else (16, 256, 8)
+    block_k8, block_n, warps = (16, 64, 4) if _interpreting() else (16, 256, 8)
     if use_ptx is None:
         use_ptx = _use_ptx(qweight.device, dtype)
     grid = (triton.cdiv(k // 8, block_k8), triton.cdiv(n, block_n))

@@ -1,0 +1,134 @@
+"""W4A16 Triton kernels (run by the Triton interpreter on the CPU) against a float64 reference built here from the
+random 4-bit codes themselves, independent of hf_fastpath.quantization."""
+
+import pytest
+import torch
+
+from hf_fastpath.kernels.w4a16 import (
+    _decode_grad_input,
+    _decode_matmul,
+    w4a16_dequantize,
+    w4a16_matmul,
+    w4a16_matmul_grad_input,
+)
+
+# Max error relative to the largest reference entry. The output is rounded to 16 bits once (fp16 2**-11,
+# bf16 2**-8) and the dequantized weight once; the interpreter rounds bf16 more coarsely than a GPU does.
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def pack_codes(q: torch.Tensor) -> torch.Tensor:
+    """int codes [K, N] in 0..15 -> int32 words [K // 8, N], row k in word k // 8 at bits 4 * (k % 8)."""
+    k, n = q.shape
+    words = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        words |= q[j::8].to(torch.int64) << (4 * j)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def make_layer(k, n, group, dtype, zeros, gen):
+    gs = k if group == -1 else group
+    g = k // gs
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    scales = (torch.rand(g, n, generator=gen) * 0.05 + 0.005).to(dtype)
+    if zeros == "sym":
+        z = torch.full((g, n), 8.0).to(dtype)
+    else:
+        z = torch.randint(0, 16, (g, n), generator=gen).to(dtype)
+    w64 = scales.double().repeat_interleave(gs, 0) * (q.double() - z.double().repeat_interleave(gs, 0))
+    return pack_codes(q), scales, z, w64
+
+
+def assert_close(out, ref, dtype):
+    assert out.dtype == dtype
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs scale {scale:.3g}"
+
+
+F16, BF16 = torch.float16, torch.bfloat16
+CASES = [
+    # M, K, N, group, dtype, zeros: decode kernel (M <= 64) in all its modes, then the dequantize + matmul path
+    (1, 64, 24, 32, F16, "sym"),  # groups smaller than a K tile: per-row scales
+    (1, 256, 37, 128, BF16, "random"),  # odd N, one group per K tile: scale applied after the dot
+    (3, 192, 40, 64, BF16, "random"),
+    (3, 256, 72, -1, F16, "sym"),  # one group over all of K
+    (2, 264, 24, -1, BF16, "random"),  # K not a multiple of the 128-row K tile: zeroed tail
+    (5, 384, 40, 192, BF16, "random"),  # group of 192: not a multiple of the K tile
+    (17, 256, 72, 128, F16, "random"),  # second M tile, scale after the dot on a 32-row tile
+    (17, 192, 24, 32, BF16, "sym"),
+    (64, 256, 40, 64, F16, "random"),  # largest decode M
+    (67, 192, 24, 32, F16, "random"),  # above the decode range: dequantize + matmul
+    (67, 256, 37, 128, BF16, "sym"),
+]
+
+
+@pytest.mark.parametrize("m,k,n,group,dtype,zeros", CASES)
+def test_forward_and_grad_input(m, k, n, group, dtype, zeros):
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    qweight, scales, z, w64 = make_layer(k, n, group, dtype, zeros, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    assert_close(w4a16_matmul(x, qweight, scales, z, group), x.double() @ w64, dtype)
+    dy = torch.randn(m, n, generator=gen).to(dtype)
+    assert_close(w4a16_matmul_grad_input(dy, qweight, scales, z, group), dy.double() @ w64.t(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_split_k_and_split_n_accumulate(dtype):
+    # Several programs add partial sums into one fp32 buffer (what the GPU uses to fill all SMs).
+    gen = torch.Generator().manual_seed(7)
+    qweight, scales, z, w64 = make_layer(512, 40, 128, dtype, "random", gen)
+    x = torch.randn(3, 512, generator=gen).to(dtype)
+    out = torch.empty(3, 40, dtype=dtype)
+    _decode_matmul(x, qweight, scales, z, 128, out, split_k=4)
+    assert_close(out, x.double() @ w64, dtype)
+    dy = torch.randn(3, 40, generator=gen).to(dtype)
+    dx = torch.empty(3, 512, dtype=dtype)
+    _decode_grad_input(dy, qweight, scales, z, 128, dx, cfg=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
+                       split_n=3)
+    assert_close(dx, dy.double() @ w64.t(), dtype)
+
+
+def test_dequantize_matches_codes():
+    gen = torch.Generator().manual_seed(3)
+    qweight, scales, z, w64 = make_layer(128, 72, 32, F16, "random", gen)
+    w = w4a16_dequantize(qweight, scales, z, 32)
+    assert w.shape == (128, 72) and w.dtype == F16
+    assert (w.double() - w64).abs().max().item() <= 2**-10 * w64.abs().max().item() * 2
+
+
+def test_leading_dims_strided_input_and_empty_batch():
+    gen = torch.Generator().manual_seed(5)
+    qweight, scales, z, w64 = make_layer(64, 24, 64, BF16, "sym", gen)
+    x = torch.randn(2, 3, 64, generator=gen).to(BF16)
+    y = w4a16_matmul(x, qweight, scales, z, -1)
+    assert y.shape == (2, 3, 24)
+    assert_close(y.reshape(6, 24), x.reshape(6, 64).double() @ w64, BF16)
+    xt = torch.randn(64, 2, generator=gen).to(BF16).t()  # non-contiguous rows
+    assert_close(w4a16_matmul(xt, qweight, scales, z, 64), xt.double() @ w64, BF16)
+    assert w4a16_matmul(torch.empty(0, 64, dtype=BF16), qweight, scales, z, 64).shape == (0, 24)
+    assert w4a16_matmul_grad_input(torch.empty(0, 24, dtype=BF16), qweight, scales, z, 64).shape == (0, 64)
+
+
+def test_bad_inputs_raise_clear_errors():
+    gen = torch.Generator().manual_seed(0)
+    qweight, scales, z, _ = make_layer(64, 24, 32, F16, "sym", gen)
+    x = torch.randn(2, 64).to(F16)
+    with pytest.raises(ValueError, match="features"):
+        w4a16_matmul(torch.randn(2, 60).to(F16), qweight, scales, z, 32)  # K % 8 != 0
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        w4a16_matmul(x.float(), qweight, scales, z, 32)
+    with pytest.raises(ValueError, match="int32"):
+        w4a16_matmul(x, qweight.to(torch.int64), scales, z, 32)
+    with pytest.raises(ValueError, match="dtype"):
+        w4a16_matmul(x, qweight, scales.to(BF16), z, 32)
+    with pytest.raises(ValueError, match="shape"):
+        w4a16_matmul(x, qweight, scales[:1], z[:1], 32)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        w4a16_matmul(x, qweight, scales, z, 48)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        w4a16_matmul(x, qweight, torch.ones(16, 24, dtype=F16), torch.ones(16, 24, dtype=F16), 4)
+    with pytest.raises(ValueError, match="features"):
+        w4a16_matmul_grad_input(torch.randn(2, 23).to(F16), qweight, scales, z, 32)
