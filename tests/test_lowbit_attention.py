@@ -139,3 +139,17 @@ def test_bf16_mode_of_the_kernel_is_exact_attention():
     ro, rl = reference.attention_forward(q[None], k[None], v[None], causal=True)
     torch.testing.assert_close(out, ro[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, rl[0], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+def test_fused_quantizer_matches_torch_reference(fmt):
+    x = torch.randn(2, 2, 40, 3, 64).mul(torch.logspace(-2, 2, 40)[None, None, :, None, None])[:, 0]  # strided
+    x = x.transpose(1, 2).transpose(1, 2)  # [B, S, H, D] with non-trivial strides
+    x[0, 3, 1] = 0.0  # a zero row
+    ref8, refs = lowbit.quantize_for_attention(x.reshape(-1, 3, 64), fmt)
+    y, s = kla.quantize_e4m3_rows(x, fmt)
+    assert torch.equal(s, refs)
+    assert torch.equal(y.view(torch.uint8), ref8.view(torch.uint8))
+    yt, st = kla.quantize_e4m3_rows(x, fmt, transpose=True)
+    assert yt.shape == (3, 64, 80) and torch.equal(st, refs)
+    assert torch.equal(yt.view(torch.uint8), kla.transpose_v(ref8).view(torch.uint8))

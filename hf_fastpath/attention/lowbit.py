@@ -61,17 +61,15 @@ def _forward(q, k, v, fmt, p_fp4, kw):
         if varlen:
             cu_q, cu_k = kw["cu_seqlens_q"].to(torch.int32), kw["cu_seqlens_k"].to(torch.int32)
             max_q = kw["max_seqlen_q"] or int(torch.diff(cu_q).max())
-            qr, kr, vr = q, k, v
         else:
             b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
             cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
             cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
             max_q = sq
-            qr, kr, vr = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
-        q8, qs = quantize_for_attention(qr, fmt)
-        k8, ks = quantize_for_attention(kr, fmt)
-        v8, vs = quantize_for_attention(vr, fmt)
-        out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, kla.transpose_v(v8), vs, cu_seqlens_q=cu_q,
+        q8, qs = kla.quantize_e4m3_rows(q, fmt)
+        k8, ks = kla.quantize_e4m3_rows(k, fmt)
+        vt8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True)
+        out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, cu_seqlens_q=cu_q,
                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],
                                             softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, out_dtype=q.dtype)
         if not varlen:

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import lowbit_quant as lq
 
-__all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "P_SCALE", "interpreting"]
+__all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "quantize_e4m3_rows", "P_SCALE", "interpreting"]
 
 P_SCALE = 256.0  # probabilities (<= 1) are scaled into e4m3's range before rounding
 LOG2E = 1.4426950408889634
@@ -194,7 +194,103 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, O, LSE, CU_Q, CU_K, qk_scale, T_K_P
         tl.store(LSE + h * T_Q + q_start + offs_m, lse, mask=row_ok)
 
 
-def _config(d_pad: int, lowp: bool):
+@triton.jit
+def _to_e4m3(x, EMULATE: tl.constexpr):
+    """fp32 (|x| <= 448) -> e4m3, nearest-even; under the interpreter via fp32 arithmetic (its cast mis-rounds)."""
+    if EMULATE:
+        r = _round_e4m3_nonneg(tl.abs(x))
+        return tl.where(x < 0, -r, r).to(tl.float8e4nv)  # exact values: the cast cannot mis-round them
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_rows_kernel(X, Y, S_OUT, stride_b, stride_s, stride_h, S, T_PAD,
+                       H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FMT: tl.constexpr,
+                       TRANSPOSE: tl.constexpr, BLOCK_T: tl.constexpr, EMULATE: tl.constexpr):
+    """Rows of x `[B, S, H, D]` (any strides, unit along D) -> e4m3 `[B*S, H, D]` (or `[H, D, T_PAD]` with
+    TRANSPOSE) and fp32 row scales `[B*S, H]`. FMT 0: fp8 per row; 1: MXFP4 values; 2: NVFP4 values (in e4m3
+    containers, as `lowbit_quant.fp4_rows_to_e4m3`)."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D_PAD)
+    t_ok = offs_t < S
+    d_ok = offs_d < D
+    x = tl.load(X + b * stride_b + offs_t[:, None] * stride_s + h * stride_h + offs_d[None, :],
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.minimum(tl.maximum(x, -3.0e38), 3.0e38)
+    if FMT == 0:
+        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
+        row = amax / 448.0
+        y = _to_e4m3(tl.minimum(tl.maximum(x / row[:, None], -448.0), 448.0), EMULATE)
+    else:
+        BLK: tl.constexpr = 32 if FMT == 1 else 16
+        xb = tl.reshape(x, (BLOCK_T, D_PAD // BLK, BLK))
+        amax_b = tl.max(tl.abs(xb), 2)
+        if FMT == 1:
+            yb = amax_b / 6.0
+            bits = yb.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            e = tl.minimum(tl.maximum(e, 1), 254)
+            scale_b = (e << 23).to(tl.float32, bitcast=True)
+            row = tl.max(scale_b, 1)
+            rel = scale_b / row[:, None]
+            eff = scale_b
+        else:
+            row_s = tl.maximum(tl.max(amax_b, 1), 1e-30) / 2688.0  # amax / (6 * 448)
+            sb = _to_e4m3(tl.minimum(amax_b / 6.0 / row_s[:, None], 448.0), EMULATE).to(tl.float32)
+            eff = sb * row_s[:, None]
+            rel = sb / 8.0
+            row = row_s * 8.0
+        a = tl.where(eff[:, :, None] > 0, tl.abs(xb) / tl.maximum(eff, 1e-38)[:, :, None], 0.0)
+        m = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
+                   + (a >= 1.75).to(tl.float32)) + (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) \
+            + 2.0 * (a > 5.0).to(tl.float32)
+        v = tl.where(xb < 0, -m, m) * rel[:, :, None]
+        y = _to_e4m3(tl.reshape(v, (BLOCK_T, D_PAD)), EMULATE)
+    tok = b * S + offs_t
+    if TRANSPOSE:
+        tl.store(Y + (h * D + offs_d)[:, None] * T_PAD + tok[None, :], tl.trans(y),
+                 mask=d_ok[:, None] & t_ok[None, :])
+    else:
+        tl.store(Y + (tok[:, None] * H + h) * D + offs_d[None, :], y, mask=t_ok[:, None] & d_ok[None, :])
+    tl.store(S_OUT + tok * H + h, row, mask=t_ok)
+
+
+_FMT_CODE = {"fp8": 0, "mxfp4": 1, "nvfp4": 2}
+
+
+def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False):
+    """Fused Triton version of `quantize_for_attention`: x `[B, S, H, D]` or `[T, H, D]` (unit stride along D) ->
+    (e4m3 `[B*S, H, D]`, or `[H, D, T_pad]` with `transpose`; fp32 scales `[B*S, H]`)."""
+    if x.dim() == 3:
+        x = x[None]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, s, h, d = x.shape
+    d_pad = max(32, triton.next_power_of_2(d))
+    t = b * s
+    t_pad = (t + 15) // 16 * 16
+    if transpose:
+        y = torch.zeros(h, d, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
+    else:
+        y = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
+    block_t = 32 if interpreting() else 64
+    _quant_rows_kernel[(triton.cdiv(s, block_t), b * h)](
+        x, y, scale, x.stride(0), x.stride(1), x.stride(2), s, t_pad, H=h, D=d, D_PAD=d_pad, FMT=_FMT_CODE[fmt],
+        TRANSPOSE=transpose, BLOCK_T=block_t, EMULATE=interpreting(), num_warps=4)
+    return y, scale
+
+
+CONFIG_OVERRIDE: dict = {}  # (d_pad, lowp, p_fp4) -> (BLOCK_M, BLOCK_N, warps, stages); benchmarks sweep this
+
+
+def _config(d_pad: int, lowp: bool, p_fp4: bool = False):
+    if (d_pad, lowp, p_fp4) in CONFIG_OVERRIDE:
+        return CONFIG_OVERRIDE[(d_pad, lowp, p_fp4)]
     if interpreting():
         return 32, 32, 4, 1
     if d_pad > 128:
@@ -227,7 +323,7 @@ def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, c
         raise ValueError("e4m3 inputs need q_scale, k_scale and v_scale")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     d_pad = max(32, triton.next_power_of_2(d))
-    block_m, block_n, warps, stages = _config(d_pad, lowp)
+    block_m, block_n, warps, stages = _config(d_pad, lowp, bool(p_fp4) and lowp)
     out = torch.empty(tq, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(h, tq, dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.numel() - 1

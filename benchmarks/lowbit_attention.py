@@ -1,0 +1,374 @@
+"""Low-precision attention benchmark: FP8 / FP4 prefill forward and FP8 / FP4 KV-cache decode, against SDPA and
+hf_fastpath's bf16 kernels, measured in the same process with `triton.testing.do_bench` (median).
+
+    python benchmarks/lowbit_attention.py                # GPU checks + every case; JSON to benchmarks/results
+    python benchmarks/lowbit_attention.py --plot FILE    # PNG from a results JSON (no GPU needed)
+
+Prefill: 16k tokens per batch (batch = 16384 / seq), seq 4k and 16k, hd 128 (16 heads) / 256 (8 heads), causal and not.
+TFLOP/s with fwd = 4*B*H*S^2*D (half when causal). Variants: SDPA cuDNN and FLASH (bf16), ours bf16
+(`kernels.flash_attention`), and the low-bit kernel in bf16 mode, fp8, mxfp4 (P fp8), mxfp4 (P fp4), nvfp4;
+"kernel" times take pre-quantized inputs, "e2e" adds the fused quantization of Q/K/V. Accuracy beside speed: cosine
+and relative error against SDPA FLASH bf16 on the same (random normal) inputs.
+Decode: 1 query per sequence, GQA 32/8, hd 128, batch 1, KV 8k-128k: SDPA bf16 vs our split-KV decode on bf16, fp8,
+mxfp4 and nvfp4 caches; microseconds per token per layer and bytes of cache read per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TOKENS = 16384
+SEQS = (4096, 16384)
+HEADS = {128: 16, 256: 8}
+DECODE_KV = (8192, 16384, 32768, 65536, 131072)
+
+
+def _log(*a):
+    print(*a, flush=True)
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), 0).item()
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _bench(fn):
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def _env():
+    import triton
+    import transformers
+
+    return dict(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                torch=torch.__version__, cuda=torch.version.cuda, triton=triton.__version__,
+                transformers=transformers.__version__, python=platform.python_version(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def gpu_checks():
+    """Small correctness checks on the GPU (the CI runs the same kernels only under the interpreter)."""
+    from hf_fastpath.attention import lowbit
+    from hf_fastpath.kernels import lowbit_attention as kla
+    from hf_fastpath.kernels import lowbit_decode as ld
+    from hf_fastpath.kernels import lowbit_quant as lq
+
+    out = {}
+    torch.manual_seed(0)
+    for fmt, p_fp4 in (("fp8", False), ("mxfp4", False), ("nvfp4", False), ("mxfp4", True)):
+        for causal in (False, True):
+            key = f"fwd_{fmt}{'_pfp4' if p_fp4 else ''}_{'causal' if causal else 'full'}"
+            try:
+                q, k, v = (torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                kv = (k[:, :, :2], v[:, :, :2])
+                got = lowbit.lowbit_attention(q, *kv, fmt=fmt, p_format="fp4" if p_fp4 else "fp8", causal=causal)
+                emu, _ = kla.lowbit_attention_emulated(q[0].float(), kv[0][0].float(), kv[1][0].float(), fmt=fmt,
+                                                       causal=causal, p_fp4=p_fp4)
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2).float(), kv[0].transpose(1, 2).float().repeat_interleave(2, 1),
+                    kv[1].transpose(1, 2).float().repeat_interleave(2, 1), is_causal=causal).transpose(1, 2)
+                # quantizer on GPU equals the CPU reference bit for bit
+                y, s = kla.quantize_e4m3_rows(q, fmt)
+                y_ref, s_ref = lowbit.quantize_for_attention(q.reshape(-1, 4, 128).cpu(), fmt)
+                same = bool(torch.equal(y.view(torch.uint8).cpu(), y_ref.view(torch.uint8))
+                            and torch.equal(s.cpu(), s_ref))
+                out[key] = dict(cos_vs_emulation=_cos(got[0].float(), emu), cos_vs_fp32=_cos(got.float(), ref),
+                                rel_vs_fp32=_rel(got.float(), ref), quantizer_bit_exact=same)
+            except Exception as e:  # keep going: the report says what failed
+                out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:])
+            _log(key, out[key])
+    for fmt in ("bf16", "fp8", "mxfp4", "nvfp4"):
+        key = f"decode_{fmt}"
+        try:
+            q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(2, 8, 5000, 128, device="cuda") for _ in range(2))
+            if fmt == "bf16":
+                kc, vc, kd, vd = (k.bfloat16(), None, None), (v.bfloat16(), None, None), k.bfloat16(), v.bfloat16()
+            else:
+                qk, qv = lq.quantize_rows(k, fmt), lq.quantize_rows(v, fmt)
+                kc, vc = (qk.data, qk.scale, qk.block_scale), (qv.data, qv.scale, qv.block_scale)
+                kd, vd = lq.dequantize_rows(qk), lq.dequantize_rows(qv)
+            o, _ = ld.lowbit_decode(q, kc, vc, 4999, fmt=fmt)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None].float(), kd[:, :, :4999].float().repeat_interleave(4, 1),
+                vd[:, :, :4999].float().repeat_interleave(4, 1))[:, :, 0]
+            out[key] = dict(cos_vs_dequantized_fp32=_cos(o.float(), ref), rel=_rel(o.float(), ref))
+        except Exception as e:
+            out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:])
+        _log(key, out[key])
+    return out
+
+
+def prefill_cases(quick=False):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hf_fastpath.attention import lowbit
+    from hf_fastpath.kernels import lowbit_attention as kla
+
+    try:
+        from hf_fastpath.kernels.flash_attention import flash_attention_forward
+    except Exception:  # the bf16 kernel is another module; measure without it if it is missing
+        flash_attention_forward = None
+    rows = []
+    for d in (128, 256):
+        for s in (SEQS[:1] if quick else SEQS):
+            for causal in (False, True):
+                b, h = TOKENS // s, HEADS[d]
+                torch.manual_seed(0)
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                row = dict(head_dim=d, seq=s, batch=b, heads=h, causal=causal, tflops={}, ms={}, cos={}, rel={})
+
+                def sdpa(backend):
+                    def f():
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+                    return f
+
+                cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+                pre = {}
+                for fmt in ("fp8", "mxfp4", "nvfp4"):
+                    q8, qs = kla.quantize_e4m3_rows(q, fmt)
+                    k8, ks = kla.quantize_e4m3_rows(k, fmt)
+                    v8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True)
+                    pre[fmt] = (q8, qs, k8, ks, v8, vs)
+                vt_bf16 = kla.transpose_v(v.reshape(-1, h, d))
+
+                def kern(fmt, p_fp4=False):
+                    def f():
+                        if fmt == "bf16":
+                            args = (q.reshape(-1, h, d), None, k.reshape(-1, h, d), None, vt_bf16, None)
+                        else:
+                            args = pre[fmt]
+                        return kla.lowbit_flash_forward(*args, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s,
+                                                        causal=causal, p_fp4=p_fp4)[0].view(b, s, h, d)
+                    return f
+
+                def e2e(fmt, p_format="fp8"):
+                    return lambda: lowbit.lowbit_attention(q, k, v, fmt=fmt, p_format=p_format, causal=causal)
+
+                variants = {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+                            "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+                if flash_attention_forward is not None:
+                    variants["ours_bf16"] = lambda: flash_attention_forward(q, k, v, causal=causal)[0]
+                variants.update({"lowbit_kernel_bf16_mode": kern("bf16"), "fp8_kernel": kern("fp8"),
+                                 "fp8_e2e": e2e("fp8"), "mxfp4_kernel": kern("mxfp4"), "mxfp4_e2e": e2e("mxfp4"),
+                                 "mxfp4_pfp4_kernel": kern("mxfp4", True), "nvfp4_e2e": e2e("nvfp4")})
+                ref = None
+                try:
+                    with torch.no_grad():
+                        ref = variants["sdpa_flash"]().float()
+                except Exception as e:
+                    row["ref_error"] = str(e)
+                for name, fn in variants.items():
+                    try:
+                        with torch.no_grad():
+                            o = fn()
+                            if ref is not None:
+                                row["cos"][name] = _cos(o.float(), ref)
+                                row["rel"][name] = _rel(o.float(), ref)
+                            ms = _bench(fn)
+                        row["ms"][name] = ms
+                        row["tflops"][name] = flops / ms / 1e9
+                    except Exception as e:
+                        row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:400]}"
+                t = row["tflops"]
+                ratios = {}
+                for num, den in (("fp8_kernel", "ours_bf16"), ("fp8_e2e", "ours_bf16"), ("fp8_kernel", "sdpa_cudnn"),
+                                 ("fp8_kernel", "lowbit_kernel_bf16_mode"), ("mxfp4_kernel", "fp8_kernel"),
+                                 ("mxfp4_e2e", "fp8_e2e"), ("mxfp4_pfp4_kernel", "fp8_kernel")):
+                    if num in t and den in t:
+                        ratios[f"{num}/{den}"] = t[num] / t[den]
+                row["ratios"] = ratios
+                _log(json.dumps({k: row[k] for k in ("head_dim", "seq", "causal")}),
+                     {k: round(x, 1) for k, x in t.items()}, {k: round(x, 2) for k, x in ratios.items()},
+                     {k: round(x, 5) for k, x in row["cos"].items()}, row.get("errors", ""))
+                rows.append(row)
+                del q, k, v, qt, kt, vt, pre, vt_bf16, ref
+                torch.cuda.empty_cache()
+    return rows
+
+
+def sweep():
+    """Time candidate (BLOCK_M, BLOCK_N, warps, stages) for the fp8 / bf16-mode kernels, hd 128, 8k, causal+full."""
+    from hf_fastpath.kernels import lowbit_attention as kla
+
+    rows = []
+    s, b, h, d = 8192, 2, 16, 128
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+    q8, qs = kla.quantize_e4m3_rows(q, "fp8")
+    k8, ks = kla.quantize_e4m3_rows(k, "fp8")
+    v8, vs = kla.quantize_e4m3_rows(v, "fp8", transpose=True)
+    vt = kla.transpose_v(v.reshape(-1, h, d))
+    cands = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3)]
+    for lowp in (True,):
+        for cfg in cands:
+            kla.CONFIG_OVERRIDE[(d, lowp, False)] = cfg
+            for causal in (False, True):
+                args = (q8, qs, k8, ks, v8, vs) if lowp else (q.reshape(-1, h, d), None, k.reshape(-1, h, d), None,
+                                                              vt, None)
+                try:
+                    ms = _bench(lambda: kla.lowbit_flash_forward(*args, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                 max_seqlen_q=s, causal=causal))
+                    tf = 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
+                except Exception as e:
+                    tf = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(dict(lowp=lowp, config=cfg, causal=causal, tflops=tf))
+                _log("sweep", rows[-1])
+        kla.CONFIG_OVERRIDE.pop((d, lowp, False), None)
+    return rows
+
+
+def decode_cases(quick=False):
+    import torch.nn.functional as F
+
+    from hf_fastpath.kernels import lowbit_decode as ld
+    from hf_fastpath.kernels import lowbit_quant as lq
+
+    try:
+        from hf_fastpath.kernels.flash_attention import flash_attention_forward
+    except Exception:
+        flash_attention_forward = None
+    rows = []
+    hq, hkv, d, b = 32, 8, 128, 1
+    for n in (DECODE_KV[2:3] if quick else DECODE_KV):
+        torch.manual_seed(0)
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        row = dict(kv_len=n, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, us={}, us_cudagraph={}, gbps={}, cos={})
+        caches = {"bf16": ((k, None, None), (v, None, None), 2.0 * d)}
+        for fmt in ("fp8", "mxfp4", "nvfp4"):
+            qk, qv = lq.quantize_rows(k, fmt, check=False), lq.quantize_rows(v, fmt, check=False)
+            bytes_per_tok = qk.data[0, 0, 0].numel() * qk.data.element_size()
+            bytes_per_tok += 0 if qk.scale is None else 4
+            bytes_per_tok += 0 if qk.block_scale is None else qk.block_scale[0, 0, 0].numel()
+            caches[fmt] = ((qk.data, qk.scale, qk.block_scale), (qv.data, qv.scale, qv.block_scale), bytes_per_tok)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        variants = {"sdpa_bf16": (sdpa, 2.0 * d)}
+        if flash_attention_forward is not None:
+            qs_, ks_, vs_ = (x.transpose(1, 2) for x in (q, k, v))
+            variants["ours_bf16_flash_splitkv"] = (lambda: flash_attention_forward(qs_, ks_, vs_)[0].transpose(1, 2),
+                                                   2.0 * d)
+        for fmt, (kc, vc, bpt) in caches.items():
+            variants[f"decode_{fmt}"] = ((lambda kc=kc, vc=vc, fmt=fmt:
+                                          ld.lowbit_decode(q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]), bpt)
+        ref = None
+        try:
+            ref = sdpa().float()
+        except Exception as e:
+            row["ref_error"] = str(e)
+            ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
+                                                 v.float().repeat_interleave(4, 1))
+        for name, (fn, bpt) in variants.items():
+            try:
+                o = fn()
+                row["cos"][name] = _cos(o.float(), ref)
+                ms = _bench(fn)
+                row["us"][name] = ms * 1e3
+                import triton
+
+                ms_g = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+                row["us_cudagraph"][name] = ms_g * 1e3
+                row["gbps"][name] = 2 * b * hkv * n * bpt / (min(ms, ms_g) * 1e-3) / 1e9
+            except Exception as e:
+                row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:400]}"
+        base = row["us"].get("sdpa_bf16")
+        row["speedup_vs_sdpa"] = {k: base / x for k, x in row["us"].items()} if base else {}
+        base = row["us_cudagraph"].get("sdpa_bf16")
+        row["speedup_vs_sdpa_cudagraph"] = {k: base / x for k, x in row["us_cudagraph"].items()} if base else {}
+        _log(n, {k: round(x, 1) for k, x in row["us"].items()}, {k: round(x, 1) for k, x in
+                                                                  row["us_cudagraph"].items()},
+             {k: round(x, 2) for k, x in row["speedup_vs_sdpa_cudagraph"].items()},
+             {k: round(x, 0) for k, x in row["gbps"].items()}, row.get("errors", ""))
+        rows.append(row)
+        del k, v, caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(path, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.load(open(path))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    ax = axes[0]
+    rows = res["prefill"]
+    names = ["sdpa_cudnn", "ours_bf16", "lowbit_kernel_bf16_mode", "fp8_e2e", "mxfp4_e2e", "mxfp4_pfp4_kernel"]
+    labels = [f"d{r['head_dim']} {r['seq'] // 1024}k {'c' if r['causal'] else 'f'}" for r in rows]
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ax.bar([x + i * width for x in range(len(rows))], [r["tflops"].get(n, 0) for r in rows], width, label=n)
+    ax.set_xticks([x + 0.4 for x in range(len(rows))], labels, rotation=60, fontsize=8)
+    ax.set_ylabel("forward TFLOP/s")
+    ax.set_title(f"prefill forward, 16k tokens/batch ({res['env']['gpu']})")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    rows = res["decode"]
+    for n in rows[0]["us_cudagraph"]:
+        ax.plot([r["kv_len"] for r in rows], [r["us_cudagraph"].get(n) for r in rows], marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cached tokens")
+    ax.set_ylabel("us per decode step, one layer (CUDA graph)")
+    ax.set_title("decode, GQA 32/8, hd 128, batch 1")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", help="make the PNG from this results JSON and exit")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if args.plot:
+        plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+        return
+    os.makedirs(args.out, exist_ok=True)
+    res = dict(env=_env())
+    _log(res["env"])
+    path = os.path.join(args.out, "lowbit_attention.json")
+    steps = [("checks", gpu_checks), ("decode", decode_cases), ("prefill", prefill_cases)]
+    if args.sweep:
+        steps.insert(1, ("sweep", sweep))
+    for name, fn in steps:
+        try:
+            res[name] = fn() if name in ("checks", "sweep") else fn(args.quick)
+        except Exception as e:
+            res[name + "_error"] = traceback.format_exc()
+            _log(res[name + "_error"])
+        json.dump(res, open(path, "w"), indent=1)
+    _log("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
