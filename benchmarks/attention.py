@@ -346,24 +346,48 @@ def plot(path, png):
     data = json.load(open(path))
     rows = data["cases"]
     combos = [(d, c, m) for d in sorted({r["head_dim"] for r in rows}) for c in (True, False) for m in ("fwd", "fwd+bwd")]
-    fig, axes = plt.subplots(len(combos) // 4 or 1, 4, figsize=(20, 4.2 * (len(combos) // 4 or 1)), squeeze=False)
+    n_panels = len(combos) + (1 if data.get("decode") else 0)
+    n_rows = (n_panels + 3) // 4
+    fig, axes = plt.subplots(n_rows, 4, figsize=(20, 4.2 * n_rows), squeeze=False)
     colors = {"ours": "tab:red", "sdpa_cudnn": "tab:blue", "sdpa_flash": "tab:green", "flex": "tab:purple"}
     for ax, (d, c, m) in zip(axes.flat, combos):
         sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c and r["mode"] == m]
         for name, col in colors.items():
-            xs = [r["seq"] for r in sel if "tflops" in r.get(name, {})]
-            ys = [r[name]["tflops"] for r in sel if "tflops" in r.get(name, {})]
-            if xs:
-                ax.plot(xs, ys, "o-", color=col, label=name)
+            pts = [(r["seq"], r[name]["tflops"]) for r in sel if "tflops" in r.get(name, {})]
+            if pts:
+                ax.plot(*zip(*pts), "o-" if name != "flex" else "s", color=col, label=name)
+        for r in sel:  # ours / cuDNN above each point
+            if "ratio_vs_sdpa_cudnn" in r:
+                ax.annotate(f"{r['ratio_vs_sdpa_cudnn']:.2f}x", (r["seq"], r["ours"]["tflops"]), fontsize=7,
+                            textcoords="offset points", xytext=(0, -12), ha="center", color="tab:red")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"hd{d} {'causal' if c else 'non-causal'} {m}")
-        ax.set_xlabel("seq (16k tokens/batch)")
+        ax.set_title(f"hd{d} {'causal' if c else 'non-causal'} {m} (label: ours/cuDNN)")
+        ax.set_xlabel("seq (16k tokens per batch)")
         ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"hf_fastpath Triton attention vs SDPA / flex on {data['env']['gpu']} (bf16)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=90)
+    rest = list(axes.flat)[len(combos):]
+    if data.get("decode") and rest:
+        ax = rest.pop(0)
+        dec = data["decode"]
+        for name, col in colors.items():
+            pts = [(r["seq_k"], r[name]["gbps"]) for r in dec if "gbps" in r.get(name, {})]
+            if pts:
+                ax.plot(*zip(*pts), "o-", color=col, label=name)
+        ax.axhline(4200, color="gray", ls="--", lw=1, label="~4.2 TB/s peak")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"decode: 1 query, GQA 32/8, hd128, batch {dec[0]['batch']}")
+        ax.set_xlabel("KV length")
+        ax.set_ylabel("GB/s (K+V read)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in rest:
+        ax.axis("off")
+    fig.suptitle(f"hf_fastpath Triton attention vs SDPA (FA2, cuDNN) and flex on {data['env']['gpu']}, bf16, "
+                 f"triton {data['env']['triton']}, torch {data['env']['torch']}")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(png, dpi=80)
 
 
 def main():
@@ -434,7 +458,7 @@ def main():
         _log(_fmt_row(r))
     for r in result.get("decode", []):
         _log(f"decode B={r['batch']} KV={r['seq_k']:<6}" + "  ".join(
-            f"{n} {r[n]['gbps']:.0f} GB/s" for n in ("ours", "sdpa_flash", "sdpa_cudnn", "flex") if "gbps" in r[n]))
+            f"{n} {r[n]['gbps']:.0f} GB/s" for n in ("ours", "sdpa_flash", "sdpa_cudnn") if "gbps" in r.get(n, {})))
 
 
 if __name__ == "__main__":
