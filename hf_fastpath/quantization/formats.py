@@ -196,13 +196,14 @@ def gptq_pack(weight: IntWeight, bits: int, checkpoint_format: str = "gptq",
     check_bits(bits)
     return {
         "qweight": pack_rows(weight.codes, bits),
-        "qzeros": _pack_gptq_zeros(weight.zeros, bits, checkpoint_format),
+        "qzeros": pack_gptq_zeros(weight.zeros, bits, checkpoint_format),
         "scales": weight.scales.to(scale_dtype).contiguous(),
         "g_idx": weight.g_idx.to(torch.int32).contiguous(),
     }
 
 
-def _pack_gptq_zeros(zeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:
+def pack_gptq_zeros(zeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:
+    """Integer zero points [G, N] -> GPTQ `qzeros` (v1 stores zero - 1)."""
     zeros = zeros.to(torch.int64)
     if checkpoint_format == "gptq":
         if (zeros < 1).any():
@@ -245,7 +246,8 @@ def awq_shapes(in_features: int, out_features: int, group_size: int, bits: int =
     return {"qweight": (in_features, words), "qzeros": (groups, words), "scales": (groups, out_features)}
 
 
-def _awq_pack_cols(values: torch.Tensor) -> torch.Tensor:
+def awq_pack_cols(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [R, N] -> int32 [R, N/8] in AWQ's interleaved nibble order."""
     rows, cols = values.shape
     words = packed_len(cols, 4, "out_features")
     v = values.to(torch.int64).contiguous().view(rows, words, 8)[:, :, list(AWQ_ORDER)]
@@ -253,7 +255,7 @@ def _awq_pack_cols(values: torch.Tensor) -> torch.Tensor:
     return _as_int32((v << shifts).sum(dim=2))
 
 
-def _awq_unpack_cols(words: torch.Tensor) -> torch.Tensor:
+def awq_unpack_cols(words: torch.Tensor) -> torch.Tensor:
     rows, cols = words.shape
     shifts = (torch.arange(8, device=words.device, dtype=torch.int64) * 4).view(1, 1, 8)
     nibbles = (_as_uint(words).contiguous().view(rows, cols, 1) >> shifts) & 0xF  # [rows, words, nibble]
@@ -271,8 +273,8 @@ def awq_pack(weight: IntWeight, bits: int = 4, scale_dtype: torch.dtype = torch.
     if (weight.zeros < 0).any() or (weight.zeros > 15).any():
         raise ValueError("AWQ zero points must lie in [0, 15]")
     return {
-        "qweight": _awq_pack_cols(weight.codes),
-        "qzeros": _awq_pack_cols(weight.zeros),
+        "qweight": awq_pack_cols(weight.codes),
+        "qzeros": awq_pack_cols(weight.zeros),
         "scales": weight.scales.to(scale_dtype).contiguous(),
     }
 
@@ -282,8 +284,8 @@ def awq_unpack(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """AWQ GEMM tensors -> `IntWeight`."""
     check_bits(bits, (4,))
     in_features = qweight.shape[0]
-    codes = _awq_unpack_cols(qweight)
-    zeros = _awq_unpack_cols(qzeros)
+    codes = awq_unpack_cols(qweight)
+    zeros = awq_unpack_cols(qzeros)
     return IntWeight(codes, scales, zeros, trivial_g_idx(in_features, group_size, qweight.device))
 
 
@@ -370,7 +372,7 @@ def kernel_to_gptq(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     _check_format(checkpoint_format)
     return {
         "qweight": qweight.contiguous(),
-        "qzeros": _pack_gptq_zeros(torch.round(zeros.float()), bits, checkpoint_format),
+        "qzeros": pack_gptq_zeros(torch.round(zeros.float()), bits, checkpoint_format),
         "scales": scales.to(scale_dtype).contiguous(),
         "g_idx": trivial_g_idx(in_features, group_size, qweight.device),
     }

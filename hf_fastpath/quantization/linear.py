@@ -242,15 +242,14 @@ class W4A16Linear(nn.Module):
             if "qweight" in flagged and not getattr(self.bias, "_is_hf_initialized", False):
                 self.bias.data.zero_()  # the checkpoint has no bias for this layer: never leave memory uninitialised
             self.bias.requires_grad_(False)  # the loader makes float parameters trainable; this layer is frozen
-        dtype = self.bias.dtype if self.bias is not None else self._compute_dtype_hint
+        dtype = self._compute_dtype_hint
         if "qzeros" in loaded:
             qzeros = self._buffers["qzeros"]
         else:
             _warn_once("no-qzeros", "W4A16 checkpoint without qzeros: assuming symmetric zero points")
             sym = torch.full((scales.shape[0], self.out_features), 2 ** (self.bits - 1), dtype=torch.int32,
                              device=device)
-            qzeros = F.pack_cols(sym - 1 if fmt == "gptq" else sym, self.bits) if fmt != "awq" else \
-                F._awq_pack_cols(sym)
+            qzeros = F.awq_pack_cols(sym) if fmt == "awq" else F.pack_gptq_zeros(sym, self.bits, fmt)
         if fmt == "awq":
             weight = F.awq_unpack(qweight, qzeros, scales, self.group_size, self.bits)
             kernel = F.to_kernel_layout(weight, self.bits, self.group_size, dtype)
