@@ -1,0 +1,370 @@
+"""`fastpath` attention inside real Transformers models (tiny random configs of the six families, fp32).
+
+Reference: `eager`, except ALiBi Falcon, whose eager path in Transformers 5.x adds the ALiBi bias twice (once in the
+scores, once folded into the 4-D mask); there we compare with `sdpa`, which (like the original Falcon code) adds it
+once. Under the test suite's TRITON_INTERPRET=1 the real Triton kernels run (interpreted).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+import transformers
+
+import hf_fastpath  # noqa: F401  (registers the attention names)
+from hf_fastpath.attention import attention, reference
+from hf_fastpath.integrations import transformers_attention as ta
+from models import FAMILIES, random_batch, tiny_config, tiny_model
+
+ATOL = 2e-5
+
+
+@pytest.fixture
+def reference_kernel():
+    """Run `fastpath` on the reference kernel: the wiring is what these tests check, and the interpreted Triton
+    kernels are too slow for the whole model matrix on CI's two cores (the `real_kernel` tests below run them)."""
+    ta.register_attention_variant("fastpath", functools.partial(attention, backend="reference"))
+    yield
+    ta.register_attention_variant("fastpath", ta._builtin_kernel("auto"))
+
+
+def _reference_impl(family: str) -> str:
+    return "sdpa" if family == "falcon_alibi" else "eager"
+
+
+def _attention_modules(model):
+    return [m for name, m in model.named_modules() if name.endswith(("self_attention", ".attn", "self_attn",
+                                                                     ".attention"))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model level
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_logits_and_grads_match_reference(reference_kernel, family):
+    _check_padded_batch(family)
+
+
+def _check_padded_batch(family):
+    ref = tiny_model(family, _reference_impl(family))
+    fast = tiny_model(family, "fastpath")
+    ids, mask = random_batch(3, 11, left_pad=(3, 0, 0), right_pad=(0, 4, 0), seed=1)
+    real = mask.bool()
+    weights = torch.randn(3, 11, ref.config.vocab_size)
+    results = []
+    for model in (ref, fast):
+        logits = model(ids, attention_mask=mask).logits
+        (logits * weights)[real].sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l_ref, g_ref), (l_fast, g_fast) = results
+    torch.testing.assert_close(l_fast[real], l_ref[real], atol=ATOL, rtol=1e-4)
+    assert g_ref.keys() == g_fast.keys()
+    for name in g_ref:
+        if g_ref[name] is None:
+            assert g_fast[name] is None, name
+            continue
+        torch.testing.assert_close(g_fast[name], g_ref[name], atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def _packed_inputs(lengths=(5, 7, 4), seed=2):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, 128, (n,), generator=g) for n in lengths]
+    ids = torch.cat(seqs)[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return seqs, ids, position_ids, cu, max(lengths)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_batch_equals_sequences_one_by_one(reference_kernel, family):
+    _check_packed_batch(family)
+
+
+def _check_packed_batch(family):
+    model = tiny_model(family, "fastpath")
+    seqs, ids, position_ids, cu, longest = _packed_inputs()
+    with torch.no_grad():
+        alone = torch.cat([model(s[None]).logits[0] for s in seqs])
+        # padding-free training batch (no KV cache: GPT-BigCode's attention never sees position_ids, so its packing
+        # is detected by Transformers' mask preparation, which only looks when there is no cache)
+        by_positions = model(ids, position_ids=position_ids, use_cache=False).logits[0]
+        by_cu_seqlens = model(ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                              max_length_q=longest, max_length_k=longest, use_cache=False).logits[0]
+    torch.testing.assert_close(by_positions, alone, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(by_cu_seqlens, alone, atol=ATOL, rtol=1e-4)
+
+
+def _generate(model, ids, mask, max_new_tokens=4, **kw):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_matches_reference(reference_kernel, family, cache):
+    ref = tiny_model(family, _reference_impl(family))
+    fast = tiny_model(family, "fastpath")
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    # Transformers' own ALiBi Falcon cannot generate with a static cache (build_alibi_tensor gets a 4-D mask):
+    # compare with its dynamic-cache run, which must give the same tokens anyway.
+    ref_kw = {} if family == "falcon_alibi" else kw
+    left_padded = random_batch(2, 7, left_pad=(3, 0), seed=3)
+    no_padding = random_batch(1, 6, seed=4)
+    for ids, mask in (left_padded, no_padding):
+        seq_ref, logits_ref = _generate(ref, ids, mask, **ref_kw)
+        seq_fast, logits_fast = _generate(fast, ids, mask, **kw)
+        torch.testing.assert_close(logits_fast, logits_ref, atol=ATOL, rtol=1e-4)
+        assert torch.equal(seq_fast, seq_ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_set_attn_implementation_on_loaded_model(reference_kernel, family):
+    fast = tiny_model(family, "fastpath")
+    model = tiny_model(family, "eager")
+    ids, mask = random_batch(2, 9, left_pad=(2,), seed=5)
+    calls = []
+
+    def counting_kernel(q, k, v, **kw):
+        calls.append(q.shape)
+        return attention(q, k, v, backend="reference", **kw)
+
+    model.set_attn_implementation("fastpath")
+    assert model.config._attn_implementation == "fastpath"
+    ta.register_attention_variant("fastpath", counting_kernel)  # the fixture restores the real one
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+    ta.register_attention_variant("fastpath", functools.partial(attention, backend="reference"))
+    assert len(calls) == model.config.num_hidden_layers
+    with torch.no_grad():
+        want = fast(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=1e-4)
+    # and back: the eager implementation is restored (Falcon swaps its attention classes back)
+    model.set_attn_implementation(_reference_impl(family))
+    ref = tiny_model(family, _reference_impl(family))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits[real],
+                                   ref(ids, attention_mask=mask).logits[real], atol=ATOL, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same through the real Triton kernels (interpreted on CI's CPU: a few cases only)
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon_alibi", "gpt_bigcode"])
+def test_real_kernel_padded_batch_logits_and_grads(family):
+    _check_padded_batch(family)
+
+
+def test_real_kernel_packed_batch():
+    _check_packed_batch("falcon_gqa")
+
+
+def test_real_kernel_static_cache_generate():
+    ref, fast = tiny_model("gpt_neox", "eager"), tiny_model("gpt_neox", "fastpath")
+    for ids, mask in (random_batch(2, 6, left_pad=(2, 0), seed=10), random_batch(1, 5, seed=11)):
+        seq_ref, logits_ref = _generate(ref, ids, mask, cache_implementation="static", max_new_tokens=2)
+        seq_fast, logits_fast = _generate(fast, ids, mask, cache_implementation="static", max_new_tokens=2)
+        torch.testing.assert_close(logits_fast, logits_ref, atol=ATOL, rtol=1e-4)
+        assert torch.equal(seq_fast, seq_ref)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registration and plug-in variants
+
+
+def test_register_is_idempotent_and_registers_masks():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.models.falcon import modeling_falcon
+
+    ta.register()
+    ta.register()
+    for name in ("fastpath", "fastpath_triton", "fastpath_fa2", "fastpath_fa3", "fastpath_fa4"):
+        assert name in AttentionInterface._global_mapping
+        assert AttentionMaskInterface._global_mapping[name] is ta.fastpath_mask
+        assert name in modeling_falcon.FALCON_ATTENTION_CLASSES
+
+
+@pytest.mark.parametrize("bad", ["my_flash_attn", "org/kernel", "fastpath:x", "sdpa_fast"])
+def test_variant_names_transformers_treats_specially_are_refused(bad):
+    with pytest.raises(ValueError, match="Pick another name"):
+        ta.register_attention_variant(bad, reference.attention_forward)
+
+
+def _recording_kernel(calls):
+    def kernel(q, k, v, *, causal, softmax_scale, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+               max_seqlen_k=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+        calls.append(dict(q=q, k=k, causal=causal, varlen=cu_seqlens_q is not None, dropout_p=dropout_p,
+                          alibi=alibi_slopes is not None))
+        out, _ = reference.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        return out
+
+    return kernel
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon_gqa", "falcon_alibi", "gpt_bigcode"])
+def test_plugin_variant_gets_unrepeated_strided_views(family):
+    calls = []
+    ta.register_attention_variant("fastpath_test_plugin", _recording_kernel(calls))
+    model = tiny_model(family, "fastpath_test_plugin")
+    ids, _ = random_batch(2, 8, seed=6)
+    with torch.no_grad():
+        model(ids)
+    assert len(calls) == model.config.num_hidden_layers
+    cfg = model.config
+    expected_kv = {"llama": 2, "falcon_gqa": 2, "falcon_alibi": 4, "gpt_bigcode": 1}[family]
+    for call in calls:
+        assert call["k"].shape[2] == expected_kv  # GQA / MQA heads not repeated
+        assert call["causal"] and not call["varlen"] and call["dropout_p"] == 0.0
+        assert call["alibi"] == (family == "falcon_alibi")
+        assert call["q"].shape == (2, 8, cfg.num_attention_heads, 16)
+
+
+def test_dropout_goes_to_kernels_that_have_it():
+    calls = []
+    ta.register_attention_variant("fastpath_test_dropout", _recording_kernel(calls))
+    model = tiny_model("llama", "fastpath_test_dropout", attention_dropout=0.25).train()
+    ids, mask = random_batch(2, 6, left_pad=(2,), seed=7)
+    model(ids, attention_mask=mask)
+    assert [c["dropout_p"] for c in calls] == [0.25, 0.25]
+    assert all(c["varlen"] for c in calls)
+
+
+def test_dropout_without_kernel_support_falls_back_to_sdpa_with_one_warning(caplog):
+    def no_dropout_kernel(q, k, v, *, dropout_p=0.0, **kw):
+        if dropout_p:
+            raise NotImplementedError("no dropout here")
+        return reference.attention_forward(q, k, v, **kw)[0]
+
+    ta.register_attention_variant("fastpath_test_nodropout", no_dropout_kernel)
+    ta._warned.discard("dropout:fastpath_test_nodropout")
+    model = tiny_model("llama", "fastpath_test_nodropout", attention_dropout=0.3).train()
+    ids, mask = random_batch(2, 6, left_pad=(2,), seed=8)
+    with caplog.at_level(logging.WARNING, logger=ta.__name__):
+        for _ in range(2):
+            logits = model(ids, attention_mask=mask).logits
+            logits[mask.bool()].sum().backward()
+    assert sum("no dropout" in r.getMessage() for r in caplog.records) == 1
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # dropout 0 in training, or eval mode: the kernel itself, same numbers as eager
+    model.eval()
+    eager = tiny_model("llama", "eager", attention_dropout=0.3)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits[mask.bool()],
+                                   eager(ids, attention_mask=mask).logits[mask.bool()], atol=ATOL, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The adapter alone, against a dense masked reference
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _dense_reference(q, k, v, keep, scale, softcap=0.0):
+    """q `[B,Hq,Sq,D]`, k/v `[B,Hkv,Skv,D]`, keep `[B,Sq,Skv]` bool -> `[B,Sq,Hq,D]` (zeros where nothing is seen)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep[:, None], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bhkd->bqhd", p, v).float()
+
+
+@pytest.mark.parametrize("sq,skv", [(9, 9), (1, 9), (3, 9)])
+def test_adapter_padding_decode_window_softcap(sq, skv):
+    g = torch.Generator().manual_seed(9)
+    b, hq, hkv, d = 3, 4, 2, 16
+    q = torch.randn(b, hq, sq, d, generator=g)
+    k, v = torch.randn(b, hkv, skv, d, generator=g), torch.randn(b, hkv, skv, d, generator=g)
+    pad = torch.ones(b, skv, dtype=torch.bool)
+    pad[0, :3] = False  # left padding
+    pad[1, :1] = False
+    i = torch.arange(sq)[:, None] + skv - sq
+    j = torch.arange(skv)[None]
+    for window, softcap in ((None, 0.0), (4, 0.0), (None, 5.0)):
+        keep = (j <= i)[None] & pad[:, None, :]
+        if window is not None:
+            keep = keep & (j > i - window)[None]
+        kwargs = {"sliding_window": window} if window else {}
+        out, weights = ta.VARIANTS["fastpath"](_Module(), q, k, v, pad, scaling=0.3, softcap=softcap or None,
+                                               **kwargs)
+        assert weights is None and out.shape == (b, sq, hq, d)
+        want = _dense_reference(q, k, v, keep, 0.3, softcap)
+        rows = pad[:, -sq:]  # padded query rows are unspecified
+        torch.testing.assert_close(out[rows], want[rows], atol=ATOL, rtol=1e-4)
+        assert torch.isfinite(out).all()
+
+
+def test_static_cache_mask_covers_only_filled_slots():
+    # prefill of 5 tokens into a 16-slot static cache, no padding: the all-True mask marks the filled slots
+    mask = ta.fastpath_mask(batch_size=2, q_length=5, kv_length=16, q_offset=torch.tensor(0), kv_offset=0,
+                            attention_mask=None, device=torch.device("cpu"))
+    assert mask.dtype == torch.bool and mask.shape == (2, 5) and mask.all()
+    # decode step 3 tokens later
+    mask = ta.fastpath_mask(batch_size=2, q_length=1, kv_length=16, q_offset=torch.tensor(7), kv_offset=0,
+                            attention_mask=None)
+    assert mask.shape == (2, 8)
+    # dynamic cache / no cache: nothing to mask
+    assert ta.fastpath_mask(batch_size=2, q_length=1, kv_length=8, q_offset=7, attention_mask=None) is None
+    assert ta.fastpath_mask(batch_size=2, q_length=8, kv_length=8, attention_mask=torch.ones(2, 8, dtype=bool)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_float64_model_is_refused_with_a_hint():
+    model = tiny_model("llama", "fastpath", dtype=torch.float64)
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32.*model.to"):
+        model(torch.ones(1, 4, dtype=torch.long))
+
+
+def test_head_dim_over_256_is_refused():
+    model = tiny_model("gpt_neox", "fastpath", hidden_size=288, num_attention_heads=1, intermediate_size=32)
+    with pytest.raises(ValueError, match="head dims up to 256.*sdpa"):
+        model(torch.ones(1, 4, dtype=torch.long))
+
+
+def test_unsupported_device_and_custom_4d_mask_and_sinks_are_refused():
+    fn = ta.VARIANTS["fastpath"]
+    q = torch.randn(1, 2, 4, 16, device="meta")
+    with pytest.raises(RuntimeError, match="CUDA GPUs.*sdpa"):
+        fn(_Module(), q, q, q, None)
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="2-D padding mask.*4-D"):
+        fn(_Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        fn(_Module(), q, q, q, None, s_aux=torch.zeros(2))
+
+
+def test_missing_forced_backend_fails_clearly():
+    """`fastpath_fa3` on a machine without FA3 must name what is missing, not silently run something else."""
+    pytest.importorskip("transformers")
+    try:
+        import flash_attn_interface  # noqa: F401
+
+        pytest.skip("FA3 is installed here")
+    except ImportError:
+        pass
+    model = tiny_model("llama", "fastpath_fa3")
+    with pytest.raises((ImportError, RuntimeError, NotImplementedError, ValueError), match="(?i)fa3|flash"):
+        model(torch.ones(1, 4, dtype=torch.long))
+
+
+def test_tiny_configs_are_what_the_docs_say():
+    for family in FAMILIES:
+        cfg = tiny_config(family)
+        assert cfg.vocab_size == 128 and cfg.num_hidden_layers == 2
+        assert isinstance(cfg, transformers.PretrainedConfig)
