@@ -239,3 +239,21 @@ def test_lse_scale_is_natural_log():
     _, lse = triton_backend.attention_forward(q, k, v)
     torch.testing.assert_close(lse[0, 0, 0].double(), (q[0, 0, 0] @ k[0, 0, 0]).double() / math.sqrt(16),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_out_dtype_float32_keeps_partials_unrounded_and_backward_accepts_them():
+    from hf_fastpath.attention import attention_backward, attention_forward
+
+    q, k, v = _dense(1, 18, 26, 2, 1, 32, dtype=torch.bfloat16)
+    out32, lse = attention_forward(q, k, v, causal=True, out_dtype=torch.float32)
+    assert out32.dtype == torch.float32
+    want, _ = reference.attention_forward(q.double(), k.double(), v.double(), causal=True)
+    # fp32 output: far closer to the float64 result than a bf16-rounded one could be
+    assert (out32.double() - want).abs().max() < 1e-4
+    dout = _rand(*out32.shape, dtype=torch.float32)
+    dq, dk, dv = attention_backward(dout, q, k, v, out32, lse, causal=True, grad_dtype=torch.float32)
+    rdq, rdk, rdv = reference.attention_backward(dout.double(), q.double(), k.double(), v.double(), want,
+                                                 reference.attention_forward(q.double(), k.double(), v.double(),
+                                                                             causal=True)[1], causal=True)
+    for got, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        torch.testing.assert_close(got.double(), ref, atol=3e-2, rtol=3e-2)  # dout rounded to bf16 inside

@@ -33,9 +33,17 @@ def _raw_backend(q, v=None):
     return reference
 
 
-def attention_forward(q, k, v, **kw):
-    """`(out, lse)` for one block of attention; kwargs as in `reference.attention_forward`."""
-    return _raw_backend(q, v).attention_forward(q, k, v, **kw)
+def attention_forward(q, k, v, *, out_dtype=None, **kw):
+    """`(out, lse)` for one block of attention; kwargs as in `reference.attention_forward`.
+    `out_dtype` (e.g. torch.float32 for bf16 inputs) returns the output unrounded, for merging partial results."""
+    backend = _raw_backend(q, v)
+    if out_dtype is None or out_dtype == q.dtype:
+        return backend.attention_forward(q, k, v, **kw)
+    if backend is reference:  # the reference computes in fp32 anyway: feed it fp32 and skip the final rounding
+        cast = (lambda t: t.to(out_dtype)) if out_dtype in (torch.float32, torch.float64) else (lambda t: t)
+        out, lse = reference.attention_forward(cast(q), cast(k), cast(v), **kw)
+        return out.to(out_dtype), lse
+    return backend.attention_forward(q, k, v, out_dtype=out_dtype, **kw)
 
 
 def attention_backward(dout, q, k, v, out, lse, **kw):

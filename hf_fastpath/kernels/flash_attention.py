@@ -697,8 +697,9 @@ def _num_splits(programs, seqlen_k, block_n, device):
 
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
-                            alibi_slopes=None, num_splits=None):
-    """Returns `(out, lse)`: out like q with v's head dim, lse fp32 `[B, Hq, Sq]` (dense) or `[Hq, T]` (varlen).
+                            alibi_slopes=None, num_splits=None, out_dtype=None):
+    """Returns `(out, lse)`: out like q with v's head dim (in `out_dtype`, default q.dtype: fp32 keeps ring-attention
+    partials unrounded), lse fp32 `[B, Hq, Sq]` (dense) or `[Hq, T]` (varlen).
     `num_splits` (None = heuristic) splits the keys across programs (dense inputs only)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, mq, mk, dense_q, dense_k, varlen = _dims(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -706,7 +707,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_qk)
     left, right = _window(causal, window_size)
     slopes, stride_slope_b = _slopes(alibi_slopes)
-    out = torch.empty(*q.shape[:-1], d_v, dtype=q.dtype, device=q.device)
+    out = torch.empty(*q.shape[:-1], d_v, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((hq, q.shape[0]) if varlen else (batch, hq, mq), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or batch == 0:
         out.zero_()
@@ -774,6 +775,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     """Returns `(dq, dk, dv)` shaped like q, k, v in `grad_dtype` (default q.dtype), from the given out and lse
     (which may be merged over several key blocks, as in ring attention)."""
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
+    dout = dout if dout.dtype == q.dtype else dout.to(q.dtype)  # the dots take one operand dtype
     lse = lse.to(torch.float32).contiguous()
     batch, mq, mk, dense_q, dense_k, varlen = _dims(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     hq, hkv, d_qk, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
