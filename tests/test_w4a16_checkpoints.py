@@ -153,6 +153,27 @@ def test_w4a16_config_quantizes_on_load_and_saves_standard_gptq(tmp_path):
     assert torch.equal(logits(again, ids, mask), got)
 
 
+def test_transformers_gptq_config_quantizes_with_hf_fastpath(tmp_path, monkeypatch):
+    from transformers import GPTQConfig
+
+    from hf_fastpath.quantization import calibrate
+
+    seen = []
+    real = calibrate.quantize_model
+
+    def rtn_instead(model, config, tokenizer=None):  # GPTQ calibration itself is tested with the calibration module
+        seen.append(config)
+        config = hf_fastpath.W4A16Config(method="rtn", bits=config.bits, group_size=config.group_size, sym=config.sym)
+        return real(model, config)
+
+    monkeypatch.setattr(calibrate, "quantize_model", rtn_instead)
+    tiny_model("llama").save_pretrained(tmp_path / "float")
+    quantized = load(tmp_path / "float", quantization_config=GPTQConfig(bits=4, group_size=32, desc_act=True))
+    assert seen[0].method == "gptq" and seen[0].bits == 4 and seen[0].group_size == 32 and seen[0].desc_act
+    assert isinstance(quantized.model.layers[0].self_attn.q_proj, W4A16Linear)
+    assert quantized.config.quantization_config.quant_method == "gptq"
+
+
 def test_backend_choice(tmp_path, monkeypatch):
     write_quantized_checkpoint(tiny_model("llama"), tmp_path, QuantSpec("gptq"))
     # asking for Transformers' own GPTQ path hands the load to it (which needs optimum/gptqmodel)

@@ -7,6 +7,8 @@ After `import hf_fastpath` (which calls `register()`):
   and AWQ's `...mlp.act.scales` in `ScaledActivation`. `save_pretrained` writes the same format back.
 - `from_pretrained(path, quantization_config=hf_fastpath.W4A16Config(...))` quantizes a float model after its weights
   load (GPTQ, AWQ or RTN; `hf_fastpath.quantization.calibrate.quantize_model`) and saves as a standard GPTQ/AWQ model.
+  Transformers' own `GPTQConfig(bits=4, dataset=..., tokenizer=...)` / `AwqConfig(...)` on a float model do the same
+  (translated to a `W4A16Config`), without optimum or gptqmodel.
 
 Choosing gptqmodel instead, where it is installed: set `HF_FASTPATH_GPTQ_BACKEND=gptqmodel` (or `=fastpath` to force
 ours), or pass an explicit kernel backend, e.g. `GPTQConfig(bits=4, backend="marlin")` / `AwqConfig(backend="gemm")`:
@@ -238,6 +240,22 @@ def set_checkpoint_format(model: nn.Module, checkpoint_format: str) -> str:
     return checkpoint_format
 
 
+def as_w4a16_config(config) -> W4A16Config:
+    """The `W4A16Config` equivalent of a GPTQConfig / AwqConfig passed to quantize a float model."""
+    method = getattr(config.quant_method, "value", config.quant_method)
+    if method == QUANT_METHOD:
+        return config
+    if method == "awq":
+        return W4A16Config(method="awq", bits=config.bits, group_size=config.group_size,
+                           sym=not getattr(config, "zero_point", True),
+                           modules_to_not_convert=getattr(config, "modules_to_not_convert", None))
+    fmt = (getattr(config, "format", None) or "gptq").lower()
+    return W4A16Config(method="gptq", bits=config.bits, group_size=config.group_size, sym=config.sym,
+                       desc_act=config.desc_act, dataset=config.dataset, damp_percent=config.damp_percent,
+                       true_sequential=config.true_sequential, seq_len=getattr(config, "model_seqlen", None),
+                       checkpoint_format=fmt if fmt in ("gptq", "gptq_v2") else "gptq", tokenizer=config.tokenizer)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the quantizer
 
@@ -282,13 +300,13 @@ class W4A16Quantizer(HfQuantizer):
         if self.pre_quantized:
             finish_loading(model)
             return model
-        config = self.quantization_config
-        from ..quantization.calibrate import quantize_model
+        config = as_w4a16_config(self.quantization_config)
+        from ..quantization import calibrate
 
         tokenizer = getattr(config, "tokenizer", None)
         if tokenizer is None and getattr(model, "name_or_path", None) and config.method != "rtn":
             tokenizer = model.name_or_path
-        quantize_model(model, config, tokenizer=tokenizer)
+        calibrate.quantize_model(model, config, tokenizer=tokenizer)
         fmt = set_checkpoint_format(model, config.saved_format)
         standard = config.standard_config(fmt if fmt != "awq" else None)
         model.config.quantization_config = standard
