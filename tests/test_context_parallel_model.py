@@ -1,5 +1,5 @@
 """A tiny Llama with context parallelism (CP=2, gloo, CPU) gives the one-process loss and gradients, for an
-ordinary batch that needs padding and for a packed batch; plus the Transformers wiring's errors and the example's
+ordinary batch that needs padding (under DDP) and for a packed batch (under FSDP2); plus the Transformers wiring's errors and the example's
 CPU smoke run under `accelerate launch`."""
 
 from __future__ import annotations
@@ -43,15 +43,35 @@ def _batches():
 
 
 def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # FSDP2 shards are DTensors
+            out[n.replace("module.", "")] = g.detach().clone()
+    return out
+
+
+def _inner(model):
+    return getattr(model, "module", model)
+
+
+def _wrap(model, how, world_size):
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _llama_worker(rank, world_size):
     from hf_fastpath.parallel import context_parallel
 
-    model = _tiny_llama()
-    for name, batch in _batches().items():
-        model.zero_grad()
+    for (name, batch), how in zip(_batches().items(), ("ddp", "fsdp2")):
+        model = _tiny_llama()
         labels = batch.get("labels", batch["input_ids"])
         ref = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels)
         # float64 one-process loss (Transformers' own loss is fp32): mean over the next-token targets
@@ -59,32 +79,29 @@ def _llama_worker(rank, world_size):
         assert torch.allclose(ref_loss.float(), ref.loss, rtol=1e-6)
         ref_loss.backward()
         ref_grads = _grads(model)
-        model.zero_grad()
 
+        model = _wrap(_tiny_llama(), how, world_size)  # the CP group is the whole world here: DP size 1
         shard = shard_causal_lm_batch(batch, None)
-        labels = shard.pop("shift_labels")
+        shift_labels = shard.pop("shift_labels")
         assert shard["input_ids"].shape[1] == (8 if name == "dense" else 12)
         with context_parallel(model, None):
-            assert model.config._attn_implementation == "fastpath_ring"
+            assert _inner(model).config._attn_implementation == "fastpath_ring"
             logits = model(**shard).logits
-            loss = context_parallel_loss(logits, labels, None)
-            loss.backward()
-        assert model.config._attn_implementation == "eager"  # restored
+            loss = context_parallel_loss(logits, shift_labels, None)
+            loss.backward()  # DDP / FSDP2 average the gradients over the ranks
+        assert _inner(model).config._attn_implementation == "eager"  # restored
 
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss /= world_size
         assert torch.allclose(mean_loss, ref_loss.detach(), rtol=0, atol=1e-8), (name, (mean_loss - ref_loss).item())
-        # DDP averages gradients over the ranks
         grads = _grads(model)
         assert grads.keys() == ref_grads.keys()
         for n, g in grads.items():
-            dist.all_reduce(g)
-            g /= world_size
             # Llama's RMSNorm computes in fp32 even for a float64 model: relative error ~1e-7 is the floor here;
-            # a ring that lost or duplicated any block would be off by O(1)
+            # a ring that lost or duplicated any block, or a wrong loss normalisation, is off by O(1)
             rel = (g - ref_grads[n]).norm() / ref_grads[n].norm()
-            assert rel < 1e-5, (name, n, rel.item())
+            assert rel < 1e-5, (name, how, n, rel.item())
         if name == "dense":  # and the logits themselves, unsharded, equal the one-process logits
             full = zigzag_unshard(logits.detach(), 1, None)[:, :13]
             assert ((full - ref.logits.detach()).norm() / ref.logits.norm()) < 1e-6
@@ -130,13 +147,17 @@ def test_world_size_one_context_parallel_equals_plain_model():
 
 def test_example_cpu_smoke_run_under_accelerate_launch(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", str(REPO / "examples" / "long_context_finetune.py"), "--cp-size", "2",
-           "--steps", "2", "--seq-len", "64", "--tiny", "--out", str(tmp_path / "log.json")]
+    # `accelerate launch --cpu` starts a single process (multi-CPU needs mpirun); --multi_gpu goes through torchrun
+    # and the script's --cpu makes Accelerate pick gloo
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(REPO / "examples" / "long_context_finetune.py"), "--cpu", "--tiny", "--cp-size", "2", "--packed",
+           "--steps", "2", "--seq-len", "64", "--out", str(tmp_path / "log.json")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     import json
 
     log = json.loads((tmp_path / "log.json").read_text())
     assert len(log["losses"]) == 2 and all(torch.isfinite(torch.tensor(log["losses"])))
-    assert log["cp_size"] == 2 and log["dp_size"] == 1
+    assert log["cp_size"] == 2 and log["dp_size"] == 1 and log["packed"]
+    assert log["model_class"] == "DistributedDataParallel"
