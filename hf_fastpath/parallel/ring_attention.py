@@ -130,6 +130,7 @@ class _Plan:
     causal: bool
     kernel_kw: dict  # softmax_scale, softcap
     halves: _Halves
+    exchange: object = None  # (send, recv) -> requests; None = P2P over the group (benchmarks inject a local copy)
 
     def peer(self, offset: int) -> int:
         local = (self.rank + offset) % self.world
@@ -149,6 +150,8 @@ def _accum_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _send_next_recv_prev(send: torch.Tensor, recv: torch.Tensor, plan: _Plan):
+    if plan.exchange is not None:
+        return plan.exchange(send, recv)
     ops = [
         dist.P2POp(dist.isend, send, plan.peer(+1), plan.group),
         dist.P2POp(dist.irecv, recv, plan.peer(-1), plan.group),
@@ -206,6 +209,8 @@ def _block_forward(q, k, v, acc: torch.dtype, **kw):
 
 def _forward(q, k, v, plan: _Plan):
     h = plan.halves
+    if plan.world == 1:  # plain attention, no copies
+        return attention_forward(q, k, v, causal=plan.causal, **plan.kernel_kw, **h.kernel_kw(False, False))
     acc = _accum_dtype(q)
     out = lse = None
     kv = _pack(k, v)
@@ -241,6 +246,9 @@ def _forward(q, k, v, plan: _Plan):
 
 def _backward(dout, q, k, v, out, lse, plan: _Plan):
     h = plan.halves
+    if plan.world == 1:
+        return attention_backward(dout, q, k, v, out, lse, causal=plan.causal, **plan.kernel_kw,
+                                  **h.kernel_kw(False, False))
     acc = _accum_dtype(q)
     gk = dict(grad_dtype=acc, **plan.kernel_kw)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -262,11 +270,10 @@ def _backward(dout, q, k, v, out, lse, plan: _Plan):
             bdq, bdk_h, bdv_h = attention_backward(dout, q, h.take(kb, False), h.take(vb, False), out, lse,
                                                    causal=False, **gk, **h.kernel_kw(False, True))
             dq += bdq
-            bdk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            bdv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            part = torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device)
+            bdk, bdv = _unpack(part, (k, v))
             h.put(bdk, False, bdk_h)
             h.put(bdv, False, bdv_h)
-            part = _pack(bdk, bdv)
         else:  # q_second
             bdq_h, bdk, bdv = attention_backward(h.take(dout, True), h.take(q, True), kb, vb, h.take(out, True),
                                                  h.take(lse, True, is_lse=True), causal=False, **gk,
@@ -359,3 +366,18 @@ def ring_attention(
     if squeeze:
         out = out.unsqueeze(0)
     return (out, lse) if return_lse else out
+
+
+def _local_copy_exchange(send: torch.Tensor, recv: torch.Tensor):
+    recv.copy_(send)
+    return None
+
+
+def simulate_rank_schedule(q, k, v, *, world: int, rank: int, causal: bool = True, softmax_scale=None):
+    """Benchmark helper: run rank `rank`'s share of a `world`-rank ring in this one process, with the K/V (and
+    dK/dV) exchange replaced by a local copy. Same kernels, block shapes, merges and copies as the real ring, but the
+    blocks hold this rank's own K/V, so the VALUES are not the ring's answer: use it for timing only."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    plan = _Plan(None, world, rank, causal, dict(softmax_scale=scale, softcap=0.0), _Halves(seq_len=q.shape[1]),
+                 exchange=_local_copy_exchange)
+    return _RingAttention.apply(q, k, v, plan)[0]
