@@ -188,23 +188,24 @@ def replace_for_checkpoint(model: nn.Module, config, checkpoint_keys: set[str] |
 
 
 def _wrap_awq_activations(model: nn.Module, checkpoint_keys: set[str] | None) -> None:
+    """Wrap the activations that AWQ scales (`<mlp>.act.scales`) in `ScaledActivation`."""
     modules = dict(model.named_modules())
     base_prefix = getattr(model, "base_model_prefix", "")
-    targets: dict[str, int | None] = {}
+    targets: list[str] = []
     if checkpoint_keys is not None:
-        for key in checkpoint_keys:
-            if key.endswith(".scales") and not any(key[: -len(".scales")] + s in checkpoint_keys
-                                                   for s in (".qweight",)):
-                name = _module_name_for(key[: -len(".scales")], set(modules), base_prefix)
+        # a `.scales` tensor without a `.qweight` next to it belongs to an activation
+        for key in sorted(checkpoint_keys):
+            prefix = key[: -len(".scales")]
+            if key.endswith(".scales") and prefix + ".qweight" not in checkpoint_keys:
+                name = _module_name_for(prefix, set(modules), base_prefix)
                 if name is not None and not isinstance(modules[name], (W4A16Linear, ScaledActivation)):
-                    targets[name] = None
+                    targets.append(name)
     else:
         mapping = _AWQ_ACT_SCALES.get(getattr(model.config, "model_type", ""))
         if mapping:
             act_name, before = mapping
-            for name, module in modules.items():
-                if hasattr(module, act_name) and hasattr(module, before):
-                    targets[f"{name}.{act_name}" if name else act_name] = None
+            targets = [f"{name}.{act_name}" if name else act_name for name, module in modules.items()
+                       if hasattr(module, act_name) and hasattr(module, before)]
     for name in targets:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         before = next((getattr(parent, b) for _, b in _AWQ_ACT_SCALES.values() if hasattr(parent, b)), None)
