@@ -217,3 +217,17 @@ def test_cuda_checkpoint_runs_on_kernels(dtype, tmp_path):
         y = y + layer.bias.double()
     dx = 2 * y @ w  # d/dx of sum(y**2)
     torch.testing.assert_close(x.grad.double(), dx, rtol=5e-2, atol=5e-2 * dx.abs().max().item())
+
+
+def test_pytorch_bin_checkpoint_uses_rule_based_layer_choice(tmp_path):
+    # without safetensors headers to read, every linear but the output embedding is taken as quantized,
+    # and AWQ activations are wrapped by model type
+    model = tiny_model("gpt_neox")
+    reference = write_quantized_checkpoint(model, tmp_path, QuantSpec("awq", sym=False, act_scales=True))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    torch.save(tensors, tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    loaded = load(tmp_path)
+    assert sum(isinstance(m, ScaledActivation) for m in loaded.modules()) == model.config.num_hidden_layers
+    ids, mask = random_batch()
+    torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
