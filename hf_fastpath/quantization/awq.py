@@ -203,7 +203,8 @@ def _search_clip(weight: torch.Tensor, x: torch.Tensor, settings: AWQSettings) -
         x = x[idx]
     xg = pad_columns(x.to(weight.device), gs).reshape(-1, groups, gs)  # [T, G, gs]
     best_max = torch.empty(rows, groups, device=weight.device)
-    chunk = max(1, 2**24 // max(1, xg.shape[0] * groups * gs))
+    budget = 2**27 if weight.is_cuda else 2**24  # elements of the [rows, tokens, groups] products per chunk
+    chunk = max(1, budget // max(1, xg.shape[0] * groups * gs))
     for r0 in range(0, rows, chunk):
         w = weight[r0:r0 + chunk].reshape(-1, groups, gs)  # [R, G, gs]
         ref = torch.einsum("tgk,rgk->rtg", xg, w)
