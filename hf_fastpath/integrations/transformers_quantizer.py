@@ -257,6 +257,16 @@ def as_w4a16_config(config) -> W4A16Config:
                        checkpoint_format=fmt if fmt in ("gptq", "gptq_v2") else "gptq", tokenizer=config.tokenizer)
 
 
+def attach_quantization_config(model: nn.Module, config: W4A16Config) -> None:
+    """After quantizing `model` in place: make `save_pretrained` write a standard GPTQ/AWQ checkpoint
+    (the layers' storage format and a plain `gptq`/`awq` quantization_config in config.json)."""
+    fmt = set_checkpoint_format(model, config.saved_format)
+    standard = config.standard_config(fmt if fmt != "awq" else None)
+    model.config.quantization_config = standard
+    model.quantization_method = standard.quant_method
+    model.is_quantized = True
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the quantizer
 
@@ -308,10 +318,7 @@ class W4A16Quantizer(HfQuantizer):
         if tokenizer is None and getattr(model, "name_or_path", None) and config.method != "rtn":
             tokenizer = model.name_or_path
         calibrate.quantize_model(model, config, tokenizer=tokenizer)
-        fmt = set_checkpoint_format(model, config.saved_format)
-        standard = config.standard_config(fmt if fmt != "awq" else None)
-        model.config.quantization_config = standard
-        model.quantization_method = standard.quant_method
+        attach_quantization_config(model, config)
         return model
 
     def _dequantize(self, model, dtype=None):
