@@ -282,8 +282,13 @@ def _dense_reference(q, k, v, keep, scale, softcap=0.0):
     return torch.einsum("bhqk,bhkd->bqhd", p, v).float()
 
 
+class _CrossModule(torch.nn.Module):
+    is_causal = False
+
+
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("sq,skv", [(9, 9), (1, 9), (3, 9)])
-def test_adapter_padding_decode_window_softcap(sq, skv):
+def test_adapter_padding_decode_window_softcap(sq, skv, causal):
     g = torch.Generator().manual_seed(9)
     b, hq, hkv, d = 3, 4, 2, 16
     q = torch.randn(b, hq, sq, d, generator=g)
@@ -293,16 +298,19 @@ def test_adapter_padding_decode_window_softcap(sq, skv):
     pad[1, :1] = False
     i = torch.arange(sq)[:, None] + skv - sq
     j = torch.arange(skv)[None]
+    module = _Module() if causal else _CrossModule()  # non-causal with sq != skv: cross-attention
     for window, softcap in ((None, 0.0), (4, 0.0), (None, 5.0)):
-        keep = (j <= i)[None] & pad[:, None, :]
+        keep = ((j <= i) if causal else torch.ones(sq, skv, dtype=torch.bool))[None] & pad[:, None, :]
         if window is not None:
             keep = keep & (j > i - window)[None]
+            if not causal:
+                keep = keep & (j < i + window)[None]
         kwargs = {"sliding_window": window} if window else {}
-        out, weights = ta.VARIANTS["fastpath"](_Module(), q, k, v, pad, scaling=0.3, softcap=softcap or None,
-                                               **kwargs)
+        out, weights = ta.VARIANTS["fastpath"](module, q, k, v, pad, scaling=0.3, softcap=softcap or None, **kwargs)
         assert weights is None and out.shape == (b, sq, hq, d)
         want = _dense_reference(q, k, v, keep, 0.3, softcap)
-        rows = pad[:, -sq:]  # padded query rows are unspecified
+        # padded query rows are unspecified (self-attention); cross-attention keeps every query row
+        rows = pad[:, -sq:] if (causal or sq == skv) else torch.ones(b, sq, dtype=torch.bool)
         torch.testing.assert_close(out[rows], want[rows], atol=ATOL, rtol=1e-4)
         assert torch.isfinite(out).all()
 

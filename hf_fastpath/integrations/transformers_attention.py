@@ -151,9 +151,11 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
 
 
-def _unpad_info(mask: torch.Tensor, sq: int) -> dict:
-    """Indices and cu_seqlens of the real tokens of a `[B, M]` bool padding mask: keys, and the last `sq` queries."""
-    info = _recall(_last_mask_info, mask, sq)
+def _unpad_info(mask: torch.Tensor, sq: int, causal: bool) -> dict:
+    """Indices and cu_seqlens of the real tokens of a `[B, M]` bool padding mask: the keys, and the queries: in
+    causal attention the queries are the last `sq` slots of the mask (prefill, chunked prefill, decode); in
+    non-causal attention with `sq != M` (cross-attention) the mask says nothing about them: all are kept."""
+    info = _recall(_last_mask_info, mask, (sq, causal))
     if info is not None:
         return info
     bmask = mask.bool()
@@ -167,14 +169,14 @@ def _unpad_info(mask: torch.Tensor, sq: int) -> dict:
             "max_k": int(lens_k.max())}
     if sq == m:
         info.update(idx_q=info["idx_k"], cu_q=info["cu_k"], max_q=info["max_k"])
-    elif sq == 1:  # decode: one query per row, sees every real key of its row
-        info.update(idx_q=torch.arange(b, device=mask.device), cu_q=_cu_seqlens(bmask.new_ones(b, dtype=torch.int32)),
-                    max_q=1)
+    elif sq == 1 or not causal:  # decode (one query per row) or cross-attention: every query row is kept
+        idx_q = torch.arange(b * sq, device=mask.device)
+        info.update(idx_q=idx_q, cu_q=torch.arange(b + 1, dtype=torch.int32, device=mask.device) * sq, max_q=sq)
     else:  # chunked prefill / speculative decoding: the queries are the last `sq` slots
         qmask = bmask[:, -sq:]
         lens_q = qmask.sum(-1, dtype=torch.int32)
         info.update(idx_q=qmask.flatten().nonzero().flatten(), cu_q=_cu_seqlens(lens_q), max_q=int(lens_q.max()))
-    _remember(_last_mask_info, mask, info, sq)
+    _remember(_last_mask_info, mask, info, (sq, causal))
     return info
 
 
@@ -295,7 +297,7 @@ def _sdpa_fallback(q, k, v, *, causal, scale, dropout_p, window, alibi_slopes, s
 # The adapter
 
 
-def _plan(name, attention_mask, q, k, v, kwargs):
+def _plan(name, attention_mask, q, k, v, causal, kwargs):
     """How to feed the kernel: ("dense", k, v, None), ("unpad", k, v, info) or ("packed", k, v, info)."""
     b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask is not None:
@@ -311,7 +313,7 @@ def _plan(name, attention_mask, q, k, v, kwargs):
             raise ValueError(f"{name}: the padding mask covers {m} keys but only {skv} keys were given.")
         if m < skv:  # static cache: only the first m slots hold tokens
             k, v = k[:, :m], v[:, :m]
-        info = _unpad_info(attention_mask, sq)
+        info = _unpad_info(attention_mask, sq, causal)
         if info["all_valid"]:
             return "dense", k, v, None
         return "unpad", k, v, info
@@ -396,7 +398,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
               alibi_slopes=kwargs.get("alibi_slopes"))
     dropout = float(dropout or 0.0) if module.training else 0.0
 
-    mode, k, v, info = _plan(name, attention_mask, q, k, v, kwargs)
+    mode, k, v, info = _plan(name, attention_mask, q, k, v, kw["causal"], kwargs)
     if dropout:
         if kernel_dropout:
             try:
