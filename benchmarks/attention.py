@@ -161,7 +161,12 @@ def correctness(fast=False):
         dict(b=2, sq=900, sk=900, hq=8, hkv=4, d=128, causal=True, bhsd=True),  # Transformers' transposed views
         dict(b=3, sq=700, sk=700, hq=8, hkv=2, d=64, causal=False, bhsd=True),
     ]
-    if fast:  # one case per kernel path: TMA + transposed views + GQA, plain loads (hd96, Sq > Sk), hd256, decode
+    if fast == "decode":  # GQA-packed decode tiles, with split keys, ALiBi, window
+        cases = [dict(b=3, sq=1, sk=30000, hq=32, hkv=8, d=128, causal=True),
+                 dict(b=2, sq=4, sk=5000, hq=16, hkv=2, d=64, causal=True, alibi=True),
+                 dict(b=2, sq=3, sk=9000, hq=8, hkv=2, d=128, causal=True, window_size=(2000, 0)),
+                 dict(b=2, sq=1, sk=7000, hq=8, hkv=8, d=128, causal=True)]
+    elif fast:  # one case per kernel path: TMA + transposed views + GQA, plain loads (hd96, Sq > Sk), hd256, decode
         cases = [cases[i] for i in (8, 3, 2, 7, 6)]
     results = []
     for c in cases:
@@ -395,6 +400,8 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-cases", action="store_true")
     ap.add_argument("--fast-check", action="store_true", help="fewer correctness cases (compile time)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="re-check and re-time decode only, updating the existing JSON's decode figures")
     ap.add_argument("--quick", action="store_true", help="hd128 only, fewer sequence lengths")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention.json"))
@@ -423,6 +430,17 @@ def main():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.decode_only:
+        result = json.load(open(args.out))
+        result["env_decode"] = env
+        result["correctness_decode"] = correctness(fast="decode")
+        result["decode"] = run_decode()
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        for r in result["decode"]:
+            _log(f"decode B={r['batch']} KV={r['seq_k']:<6}" + "  ".join(
+                f"{n} {r[n]['gbps']:.0f} GB/s" for n in ("ours", "sdpa_flash", "sdpa_cudnn") if "gbps" in r.get(n, {})))
+        return
     if os.path.exists(args.out):  # keep the sweep of an earlier run (same machine kind) beside the new figures
         try:
             old = json.load(open(args.out))

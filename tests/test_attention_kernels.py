@@ -257,3 +257,23 @@ def test_out_dtype_float32_keeps_partials_unrounded_and_backward_accepts_them():
                                                                              causal=True)[1], causal=True)
     for got, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         torch.testing.assert_close(got.double(), ref, atol=3e-2, rtol=3e-2)  # dout rounded to bf16 inside
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_size=(9, 0), alibi=True),
+                                dict(causal=False, softcap=2.0)], ids=["causal", "window_alibi", "softcap"])
+def test_decode_packs_gqa_heads(kw):
+    # few query rows and GQA: one tile holds every query head of a KV group (rows = head x query)
+    kw = dict(kw)
+    q, k, v = _dense(2, 3, 45, 8, 2, 32)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(8)
+    _compare(q, k, v, **kw)
+    want, want_lse = reference.attention_forward(q.double(), k.double(), v.double(), **kw)
+    out, lse = flash_attention_forward(q, k, v, num_splits=2, **kw)  # packed rows and split keys together
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_packed_varlen():
+    q, k, v, kw = _varlen([1, 2, 0, 1], [30, 5, 7, 1], 6, 2, 32)
+    _compare(q, k, v, causal=True, **kw)

@@ -7,6 +7,7 @@ unsupported request falls back to the Triton kernel with a one-time warning; a f
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -39,7 +40,13 @@ def cuda_capability(t: torch.Tensor | None = None):
         return None
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_capability(t.device if t is not None else None)
+    index = t.device.index if t is not None and t.device.index is not None else torch.cuda.current_device()
+    return _capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
 
 
 @dataclass(frozen=True)

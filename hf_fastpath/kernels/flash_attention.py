@@ -15,6 +15,7 @@ Layout of the work:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -87,19 +88,19 @@ def _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _key_ranges(m0, seqlen_k, diag, window_left, window_right,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """For query rows [m0, m0+BLOCK_M): keys visited as masked [lo, a), full [a, b), masked [b, hi)."""
+def _key_ranges(q_first, q_last, seqlen_k, diag, window_left, window_right,
+                BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """For query rows q_first..q_last: keys visited as masked [lo, a), full [a, b), masked [b, hi)."""
     lo = seqlen_k * 0  # tensors throughout: the runtime `if` below may reassign them
     hi = seqlen_k
     full_lo = seqlen_k * 0
     full_hi = seqlen_k
     if HAS_LEFT:
-        lo = tl.maximum(m0 + diag - window_left, 0)
-        full_lo = tl.maximum(m0 + BLOCK_M - 1 + diag - window_left, 0)
+        lo = tl.maximum(q_first + diag - window_left, 0)
+        full_lo = tl.maximum(q_last + diag - window_left, 0)
     if HAS_RIGHT:
-        hi = tl.minimum(m0 + BLOCK_M + diag + window_right, seqlen_k)
-        full_hi = tl.maximum(tl.minimum(m0 + diag + window_right + 1, seqlen_k), 0)
+        hi = tl.minimum(q_last + 1 + diag + window_right, seqlen_k)
+        full_hi = tl.maximum(tl.minimum(q_first + diag + window_right + 1, seqlen_k), 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     a = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     b = (full_hi // BLOCK_N) * BLOCK_N
@@ -200,20 +201,38 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
                 D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr,
+                PACK_GQA: tl.constexpr):
     pid_m = tl.program_id(0)
-    head = tl.program_id(1)
     b = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
     start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
     start_k, seqlen_k = _seq_span(b, CU_K, dense_len_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
-    if m0 >= seqlen_q:
-        return
-    kv_head = head // gqa_ratio
+    rows = m0 + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        # few queries (decode): the rows of one tile are (query head of the GQA group, query), so K/V are read
+        # once per KV head instead of once per query head
+        kv_head = tl.program_id(1)
+        if m0 >= seqlen_q * gqa_ratio:
+            return
+        offs_m = rows % seqlen_q
+        head = kv_head * gqa_ratio + rows // seqlen_q  # per row
+        row_ok = rows < seqlen_q * gqa_ratio
+        q_first = tl.min(offs_m, 0)
+        q_last = tl.max(offs_m, 0)
+    else:
+        head = tl.program_id(1)
+        kv_head = head // gqa_ratio
+        if m0 >= seqlen_q:
+            return
+        offs_m = rows
+        row_ok = rows < seqlen_q
+        q_first = m0
+        q_last = m0 + BLOCK_M - 1
     diag = seqlen_k - seqlen_q
     b64 = b.to(tl.int64)
-    Q_ptr = Q + b64 * stride_qb + start_q.to(tl.int64) * stride_qs + head * stride_qh
+    q_rows = b64 * stride_qb + (start_q.to(tl.int64) + offs_m) * stride_qs + head * stride_qh
     k_off = b64 * stride_kb + start_k.to(tl.int64) * stride_ks + kv_head * stride_kh
     v_off = b64 * stride_vb + start_k.to(tl.int64) * stride_vs + kv_head * stride_vh
     if USE_TMA:  # K/V are 2-D descriptors [rows, token stride]: element offset -> (row, column)
@@ -231,21 +250,23 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
         v_row = 0
         v_col = 0
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q_ptr + offs_m[:, None] * stride_qs + offs_dk[None, :],
-                mask=(offs_m[:, None] < seqlen_q) & (offs_dk[None, :] < D_QK), other=0.0)
+    q = tl.load(Q + q_rows[:, None] + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     slope = 0.0
     if HAS_ALIBI:
-        slope = tl.load(SLOPES + b * stride_slope_b + head).to(tl.float32)
+        if PACK_GQA:
+            slope = tl.load(SLOPES + b * stride_slope_b + head, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            slope = tl.load(SLOPES + b * stride_slope_b + head).to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo, a, bb, hi = _key_ranges(m0, seqlen_k, diag, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, a, bb, hi = _key_ranges(q_first, q_last, seqlen_k, diag, window_left, window_right, BLOCK_N,
+                                HAS_LEFT, HAS_RIGHT)
     r1_lo, r1_hi, r2_lo, r2_hi, r3_lo, r3_hi = lo, a, a, bb, bb, hi
     if SPLIT:  # this program owns keys [s0, s1) of the sequence (split_len is a multiple of BLOCK_N)
         s0 = split * split_len
@@ -273,11 +294,12 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     # with SPLIT, O/LSE are the fp32 partial buffers [split, B, H, Sq, (Dv)] and get merged by _combine_kernel
-    O_ptr = O + split.to(tl.int64) * stride_osplit + b64 * stride_ob + start_q.to(tl.int64) * stride_os + head * stride_oh
-    tl.store(O_ptr + offs_m[:, None] * stride_os + offs_dv[None, :], out.to(O.dtype.element_ty),
-             mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < D_V))
-    L_ptr = LSE + split.to(tl.int64) * stride_lsplit + b64 * stride_lb + head * stride_lh + start_q.to(tl.int64) * stride_ls
-    tl.store(L_ptr + offs_m * stride_ls, lse, mask=offs_m < seqlen_q)
+    tok = start_q.to(tl.int64) + offs_m
+    o_rows = split.to(tl.int64) * stride_osplit + b64 * stride_ob + tok * stride_os + head * stride_oh
+    tl.store(O + o_rows[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    l_rows = split.to(tl.int64) * stride_lsplit + b64 * stride_lb + head * stride_lh + tok * stride_ls
+    tl.store(LSE + l_rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -556,7 +578,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES,
     K_ptr = K + b64 * stride_kb + start_k.to(tl.int64) * stride_ks + kv_head * stride_kh
     V_ptr = V + b64 * stride_vb + start_k.to(tl.int64) * stride_vs + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    lo, a, bb, hi = _key_ranges(m0, seqlen_k, diag, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, a, bb, hi = _key_ranges(m0, m0 + BLOCK_M - 1, seqlen_k, diag, window_left, window_right, BLOCK_N,
+                                HAS_LEFT, HAS_RIGHT)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                        lo, a, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                        D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -679,17 +702,24 @@ def _kv_descriptor(t, block_n, block_d):
 _TMA_FAILED: set = set()  # (block dims, config) whose TMA variant did not fit in shared memory
 
 
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int):
+    """(compute capability major, multiprocessor count) of a CUDA device; cached (a query costs microseconds)."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.multi_processor_count
+
+
 def _use_tma(q, d_qk, d_v, bdk, bdv):
     # head dim 256 with TMA buffers exceeds Hopper's 227 KB of shared memory at useful tile sizes
     if USE_TMA is False or _interpreting() or not q.is_cuda or bdk != d_qk or bdv != d_v or max(bdk, bdv) > 128:
         return False
-    return USE_TMA is True or torch.cuda.get_device_capability(q.device)[0] >= 9
+    return USE_TMA is True or _device_facts(q.device.index if q.device.index is not None else 0)[0] >= 9
 
 
 def _num_splits(programs, seqlen_k, block_n, device):
     if _interpreting() or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
     if programs >= sms:
         return 1
     return max(1, min(triton.cdiv(seqlen_k, 4 * block_n), triton.cdiv(4 * sms, programs), 128))
@@ -718,8 +748,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         lse.fill_(float("-inf"))
         return out, lse
     bdk, bdv = _block_dim(d_qk), _block_dim(d_v)
-    bm, bn, warps, stages = _config("fwd", max(bdk, bdv), decode=mq <= 16)
-    programs = triton.cdiv(mq, bm) * hq * batch
+    decode = mq <= 16
+    bm, bn, warps, stages = _config("fwd", max(bdk, bdv), decode=decode)
+    pack = decode and hq > hkv  # tile rows = (query head of the group, query): K/V read once per KV head
+    rows_per_head = mq * (hq // hkv) if pack else mq
+    programs = triton.cdiv(rows_per_head, bm) * (hkv if pack else hq) * batch
     splits = 1 if varlen else (num_splits or _num_splits(programs, mk, bn, q.device))
     splits = max(1, min(splits, triton.cdiv(max(mk, 1), bn)))
     split_len = triton.cdiv(triton.cdiv(max(mk, 1), splits), bn) * bn
@@ -736,7 +769,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     else:
         o_dst, l_dst = out, lse
         o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
-    grid = (triton.cdiv(mq, bm), hq, batch * splits)
+    grid = (triton.cdiv(rows_per_head, bm), hkv if pack else hq, batch * splits)
     k_arg, v_arg, tma = k, v, False
     tma_key = (bdk, bdv, bm, bn, warps, stages)
     if tma_key not in _TMA_FAILED and _use_tma(q, d_qk, d_v, bdk, bdv):
@@ -751,7 +784,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
             *split_strides, stride_slope_b, dense_q, dense_k, hq // hkv, splits, split_len,
             scale, scale * LOG2E, float(softcap), left, right,
             D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen,
-            SPLIT=splits > 1, USE_TMA=tma, num_warps=warps, num_stages=stages, **flags)
+            SPLIT=splits > 1, USE_TMA=tma, PACK_GQA=pack, num_warps=warps, num_stages=stages, **flags)
 
     if tma:
         try:
