@@ -107,7 +107,8 @@ class W4A16Config(QuantizationConfigMixin):
             return AwqConfig(bits=4, group_size=self.group_size, zero_point=not self.sym, version="gemm",
                              modules_to_not_convert=self.modules_to_not_convert)
         return GPTQConfig(bits=self.bits, group_size=self.group_size, damp_percent=self.damp_percent,
-                          desc_act=self.desc_act, act_group_aware=False, sym=self.sym, true_sequential=self.true_sequential,
+                          desc_act=self.desc_act, act_group_aware=False, sym=self.sym,
+                          true_sequential=self.true_sequential,
                           format=checkpoint_format or self.checkpoint_format,
                           meta={"quantizer": [f"hf_fastpath:{__version__}"], "method": self.method,
                                 "static_groups": self.static_groups})

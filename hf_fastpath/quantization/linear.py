@@ -192,7 +192,7 @@ class W4A16Linear(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ checkpoint I/O
 
-    def checkpoint_specs(self, scale_dtype: torch.dtype = torch.float16) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def checkpoint_specs(self, scale_dtype: torch.dtype = torch.float16) -> dict[str, tuple[tuple, torch.dtype]]:
         """Names, shapes and dtypes of this layer's tensors in its checkpoint format (bias excluded)."""
         fmt = self._staging or self.checkpoint_format
         if fmt == "awq":
