@@ -104,7 +104,8 @@ class W4A16Config(QuantizationConfigMixin):
         from .. import __version__
 
         if self.method == "awq":
-            return AwqConfig(bits=4, group_size=self.group_size, zero_point=not self.sym, version="gemm",
+            # zero_point=True: qzeros are always stored (a symmetric grid just has zero 8 everywhere)
+            return AwqConfig(bits=4, group_size=self.group_size, zero_point=True, version="gemm",
                              modules_to_not_convert=self.modules_to_not_convert)
         return GPTQConfig(bits=self.bits, group_size=self.group_size, damp_percent=self.damp_percent,
                           desc_act=self.desc_act, act_group_aware=False, sym=self.sym,
