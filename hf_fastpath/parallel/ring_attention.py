@@ -253,7 +253,7 @@ def _backward(dout, q, k, v, out, lse, plan: _Plan):
     gk = dict(grad_dtype=acc, **plan.kernel_kw)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = _pack(k, v)
-    dkv = dkv_reqs = dkv_in = None
+    dkv_reqs = dkv_in = None
     for step in range(plan.world):
         kv_reqs = None
         if step + 1 < plan.world:
@@ -265,34 +265,36 @@ def _backward(dout, q, k, v, out, lse, plan: _Plan):
             bdq, bdk, bdv = attention_backward(dout, q, kb, vb, out, lse, causal=plan.causal and kind == "diagonal",
                                                **gk, **h.kernel_kw(False, False))
             dq += bdq
-            part = _pack(bdk, bdv)
         elif kind == "k_first":
-            bdq, bdk_h, bdv_h = attention_backward(dout, q, h.take(kb, False), h.take(vb, False), out, lse,
-                                                   causal=False, **gk, **h.kernel_kw(False, True))
+            bdq, bdk, bdv = attention_backward(dout, q, h.take(kb, False), h.take(vb, False), out, lse,
+                                               causal=False, **gk, **h.kernel_kw(False, True))
             dq += bdq
-            part = torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device)
-            bdk, bdv = _unpack(part, (k, v))
-            h.put(bdk, False, bdk_h)
-            h.put(bdv, False, bdv_h)
         else:  # q_second
             bdq_h, bdk, bdv = attention_backward(h.take(dout, True), h.take(q, True), kb, vb, h.take(out, True),
                                                  h.take(lse, True, is_lse=True), causal=False, **gk,
                                                  **h.kernel_kw(True, False))
             h.put(dq, True, bdq_h, add=True)
-            part = _pack(bdk, bdv)
-        # The dK/dV sums for the block we hold arrive from the previous rank (which held it one step earlier).
+        # The dK/dV sums for the block we hold arrive from the previous rank (which held it one step earlier);
+        # ours are added in place, then the sums move on to the next rank.
         _wait(dkv_reqs)
-        dkv = part if dkv_in is None else dkv_in.add_(part)
-        if plan.world > 1:
-            dkv_in = torch.empty_like(dkv)
-            dkv_reqs = _send_next_recv_prev(dkv, dkv_in, plan)
+        if dkv_in is None:  # step 0: the diagonal block starts the sums for our own K/V
+            dkv = torch.empty(k.numel() + v.numel(), dtype=acc, device=k.device)
+            dk_sum, dv_sum = _unpack(dkv, (k, v))
+            dk_sum.copy_(bdk)
+            dv_sum.copy_(bdv)
+        else:
+            dkv = dkv_in
+            dk_sum, dv_sum = _unpack(dkv, (k, v))
+            h.put(dk_sum, False, bdk, add=True) if kind == "k_first" else dk_sum.add_(bdk)
+            h.put(dv_sum, False, bdv, add=True) if kind == "k_first" else dv_sum.add_(bdv)
+        del bdk, bdv
+        dkv_in = torch.empty_like(dkv)
+        dkv_reqs = _send_next_recv_prev(dkv, dkv_in, plan)
         _wait(kv_reqs)
         if kv_reqs is not None:
             kv = nxt
-    if plan.world > 1:
-        _wait(dkv_reqs)  # after `world` hops the sums for our own K/V are complete and back home
-        dkv = dkv_in
-    dk, dv = _unpack(dkv, (k, v))
+    _wait(dkv_reqs)  # after `world` hops the sums for our own K/V are complete and back home
+    dk, dv = _unpack(dkv_in, (k, v))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
