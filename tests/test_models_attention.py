@@ -152,6 +152,36 @@ def test_set_attn_implementation_on_loaded_model(reference_kernel, family):
                                    ref(ids, attention_mask=mask).logits[real], atol=ATOL, rtol=1e-4)
 
 
+def test_falcon_alibi_eager_is_ours_with_the_bias_counted_twice(reference_kernel, monkeypatch):
+    """Pins down why ALiBi Falcon is compared with SDPA: Transformers 5.x eager adds the ALiBi bias to the scores AND
+    folds it into the 4-D mask. Doubling our slopes reproduces eager exactly (padding included), so everything else
+    (slope values, bf16 rounding, scaling before 1/sqrt(d), positions counted from the first real token) matches."""
+    from hf_fastpath.integrations import falcon
+
+    eager = tiny_model("falcon_alibi", "eager")
+    fast = tiny_model("falcon_alibi", "fastpath")
+    ids, mask = random_batch(3, 10, left_pad=(4, 0, 0), right_pad=(0, 3, 0), seed=12)
+    real = mask.bool()
+    single = falcon.falcon_alibi_slopes
+    with torch.no_grad():
+        ours = fast(ids, attention_mask=mask).logits
+        want = eager(ids, attention_mask=mask).logits
+        assert (ours[real] - want[real]).abs().max() > 1e-3  # the bias really is doubled there
+        monkeypatch.setattr(falcon, "falcon_alibi_slopes", lambda n, device=None: 2 * single(n, device))
+        doubled = fast(ids, attention_mask=mask).logits
+    torch.testing.assert_close(doubled[real], want[real], atol=ATOL, rtol=1e-4)
+
+
+def test_falcon_alibi_slopes_match_transformers():
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    from hf_fastpath.integrations.falcon import falcon_alibi_slopes
+
+    for heads in (1, 3, 4, 6, 16, 71):
+        alibi = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)  # [H, 1, 2]
+        torch.testing.assert_close(falcon_alibi_slopes(heads), alibi[:, 0, 1], atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The same through the real Triton kernels (interpreted on CI's CPU: a few cases only)
 

@@ -8,7 +8,7 @@
 
 Use them as any Transformers attention: `from_pretrained(..., attn_implementation="fastpath")` or
 `model.set_attn_implementation("fastpath")`. Llama, GPT-2, GPT-NeoX, GPT-J and GPT-BigCode go through Transformers'
-attention interface; Falcon (and GPT-J on Transformers < 5.2x, which picks attention classes by name) get their own
+attention interface; Falcon (and GPT-J on Transformers 5.17, which still picks attention classes by name) get their own
 attention classes from `hf_fastpath.integrations.falcon`.
 
 Other attention kernels plug in through the same adapter:
@@ -23,8 +23,12 @@ masks (unpadded to varlen), packed batches (`cu_seq_lens_q/k` kwargs or restarti
 `is_causal`, `sliding_window`, `softcap`, dropout (fallback to PyTorch SDPA with a one-time warning when the kernel
 has none).
 
-Masks: the registered mask function is Transformers' flash-attention one (a 2-D `[B, Skv]` padding mask or None),
-extended for static caches whose unfilled tail the 2-D mask does not describe.
+Masks: the registered mask function (`fastpath_mask`) is Transformers' flash-attention one (a 2-D `[B, Skv]` padding
+mask or None), extended for static caches whose unfilled tail the 2-D mask does not describe, and for packed batches.
+Host syncs: none on the plain path (no padding, no packing); with a padding mask, packing by `position_ids` or a static
+cache, one per forward (the unpadding indices are computed by the first layer and reused by the others).
+Padded batches are unpadded to varlen (K/V gathered per layer; decode of a padded batch therefore copies the real
+part of the KV cache each step).
 """
 
 from __future__ import annotations
