@@ -7,6 +7,11 @@ original float weights, for the convergence test), computed in float32.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +28,18 @@ from hf_fastpath.quantization.linear import W4A16Linear, w4a16_backend
 from hf_fastpath.quantization.training import ignore_quantized_buffers_in_ddp, prepare_model_for_qlora
 from tests.checkpoints import QuantSpec, write_quantized_checkpoint
 from tests.models import random_batch, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: a second thread only adds synchronisation (and costs a lot on a busy 2-core CI machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
@@ -319,3 +336,50 @@ def test_qlora_run_lowers_loss_and_tracks_float_lora():
     # 0.05 nats mean, 0.15 nats max over 30 steps; measured ~0.01 / ~0.03).
     gaps = [abs(a - b) for a, b in zip(quant_losses, float_losses)]
     assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.15, gaps
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the example under `accelerate launch` (CPU, gloo)
+
+
+@pytest.fixture(scope="module")
+def tiny_float_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_float")
+    tiny_model("llama", vocab_size=256).save_pretrained(path)
+    text = path / "corpus.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 40, encoding="utf-8")
+    return path
+
+
+def _launch(tiny_float_dir, out, processes, *extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("TRITON_INTERPRET", None)
+    # `accelerate launch --cpu` starts one process (multi-CPU needs mpirun); --multi_gpu goes through torchrun and
+    # the script's --cpu makes Accelerate use the CPU and gloo.
+    launcher = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--cpu", "--num_processes", "1"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher,
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / "examples" / "qlora_finetune.py"), "--cpu",
+           "--model", str(tiny_float_dir), "--quantize", "rtn", "--group-size", "32", "--dtype", "float32",
+           "--tokenizer", "bytes", "--data", str(tiny_float_dir / "corpus.txt"), "--output", str(out),
+           "--seq-len", "16", "--steps", "3", "--lr", "1e-2", *extra]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = json.loads((out / "train_log.json").read_text())
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    return log
+
+
+def test_example_accelerate_launch_two_processes(tiny_float_dir, tmp_path):
+    log = _launch(tiny_float_dir, tmp_path / "loop", 2)
+    assert log["processes"] == 2 and len(log["losses"]) == 3
+    assert log["args"]["wrapped_as"] == "DistributedDataParallel"
+    assert all(0 < entry["loss"] < 10 for entry in log["losses"])
+
+
+def test_example_trainer_one_process(tiny_float_dir, tmp_path):
+    log = _launch(tiny_float_dir, tmp_path / "trainer", 1, "--trainer", "--dora")
+    assert log["processes"] == 1 and log["losses"]
+    config = json.loads((tmp_path / "trainer" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
