@@ -14,14 +14,16 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
   * The unpack is a few PTX instructions per *pair* of words: PRMT pairs two words' halves, and one LOP3 turns a
     nibble pair into two fp16/bf16 "magic" numbers (bias + q, bias = 1024 fp16 / 128 bf16), ~1 instruction per
     weight instead of shift + int-to-float convert + scale per weight.
-  * The activations are first permuted to [M, 8, K/8] (one tiny copy) so that the x columns meeting nibble j
-    are contiguous: Triton then streams them into shared memory asynchronously with the weights.
   * M <= 16: the dot runs on bias + q and scale/zero are applied once per output and group:
     y += s * (x.(bias+q) - (z + bias) * sum(x)). Larger M: weights are dequantized in pairs (q*s - z*s, fma).
   * Large M (> 64): dequantize W once into a scratch tile and call cuBLAS: on an H200 this beat our fused
     tensor-core kernel at every M >= 256 (the fused one is limited by the in-loop dequantization).
   * Split-K partial sums meet in an fp32 buffer through atomics, then one cast.
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
+
+Status (H200, benchmarks/results/w4a16.json): the decode kernel is correct but reaches only ~1 TB/s of weight
+traffic (0.9-1.4x cuBLAS bf16 at M <= 16, ahead of torch's int4 tinygemm from M = 8); the SASS is ~3.3
+instructions per weight, so the remaining gap is latency, not instruction count (not profiled yet).
 """
 
 from __future__ import annotations
@@ -180,61 +182,49 @@ def _decode_kernel(
     n_words = K // 8
     kt_start = pid_k * tiles_per_split
     kt_end = tl.minimum(kt_start + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    # x arrives pre-permuted as [M, 8, K // 8] (x[m, 8 i + j] at [m, j, i]): the columns that meet nibble j are
-    # contiguous, so Triton streams them into shared memory alongside the weights (no gathers, no stalls).
-    xt_ptrs = x_ptr + m_safe[None, :] * stride_xm + offs_i[:, None]
+    xt_ptrs = x_ptr + m_safe[None, :] * stride_xm + offs_i[:, None] * 8  # x^T columns 8 i (+ j below)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # The group's scale/zero row is loaded one K tile ahead by hand (Triton would leave it a blocking load).
-    g_pre = (tl.minimum(kt_start, tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K) // group_size
-    s_nxt = tl.load(s_ptr + g_pre * N + n_safe)
-    z_nxt = tl.load(z_ptr + g_pre * N + n_safe)
     for kt in range(kt_start, kt_end):
         k0 = kt * BLOCK_K
-        s_cur = s_nxt
-        z_cur = z_nxt
-        g_nxt = (tl.minimum(kt + 1, kt_end - 1) * BLOCK_K) // group_size
-        s_nxt = tl.load(s_ptr + g_nxt * N + n_safe)
-        z_nxt = tl.load(z_ptr + g_nxt * N + n_safe)
         rows = kt * BLOCK_K8 + offs_i
-        xp = xt_ptrs + kt * BLOCK_K8
         if EVEN_K:
             w = tl.load(qw_ptr + rows[None, :] * N + n_safe[:, None])
+            xp = xt_ptrs + k0
             x0 = tl.load(xp)
-            x1 = tl.load(xp + n_words)
-            x2 = tl.load(xp + 2 * n_words)
-            x3 = tl.load(xp + 3 * n_words)
-            x4 = tl.load(xp + 4 * n_words)
-            x5 = tl.load(xp + 5 * n_words)
-            x6 = tl.load(xp + 6 * n_words)
-            x7 = tl.load(xp + 7 * n_words)
+            x1 = tl.load(xp + 1)
+            x2 = tl.load(xp + 2)
+            x3 = tl.load(xp + 3)
+            x4 = tl.load(xp + 4)
+            x5 = tl.load(xp + 5)
+            x6 = tl.load(xp + 6)
+            x7 = tl.load(xp + 7)
         else:
             row_ok = rows < n_words
             w = tl.load(qw_ptr + tl.minimum(rows, n_words - 1)[None, :] * N + n_safe[:, None])
             xm = row_ok[:, None]
+            xp = xt_ptrs + k0
             x0 = tl.load(xp, mask=xm, other=0.0)
-            x1 = tl.load(xp + n_words, mask=xm, other=0.0)
-            x2 = tl.load(xp + 2 * n_words, mask=xm, other=0.0)
-            x3 = tl.load(xp + 3 * n_words, mask=xm, other=0.0)
-            x4 = tl.load(xp + 4 * n_words, mask=xm, other=0.0)
-            x5 = tl.load(xp + 5 * n_words, mask=xm, other=0.0)
-            x6 = tl.load(xp + 6 * n_words, mask=xm, other=0.0)
-            x7 = tl.load(xp + 7 * n_words, mask=xm, other=0.0)
+            x1 = tl.load(xp + 1, mask=xm, other=0.0)
+            x2 = tl.load(xp + 2, mask=xm, other=0.0)
+            x3 = tl.load(xp + 3, mask=xm, other=0.0)
+            x4 = tl.load(xp + 4, mask=xm, other=0.0)
+            x5 = tl.load(xp + 5, mask=xm, other=0.0)
+            x6 = tl.load(xp + 6, mask=xm, other=0.0)
+            x7 = tl.load(xp + 7, mask=xm, other=0.0)
         if FACTORED:  # one group per K tile: dot with bias + q, scale once per output
-            s = s_cur.to(tl.float32)
-            z = z_cur.to(tl.float32)
+            g = k0 // group_size
+            s = tl.load(s_ptr + g * N + n_safe).to(tl.float32)
+            z = tl.load(z_ptr + g * N + n_safe).to(tl.float32)
             q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, x0, False, USE_PTX)
-            # two independent chains of dots, so the tensor cores need not wait on one accumulator
-            pa = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            pb = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            pa = _dot(q0, x0, pa, FP32_DOT)
-            pb = _dot(q1, x1, pb, FP32_DOT)
-            pa = _dot(q2, x2, pa, FP32_DOT)
-            pb = _dot(q3, x3, pb, FP32_DOT)
-            pa = _dot(q4, x4, pa, FP32_DOT)
-            pb = _dot(q5, x5, pb, FP32_DOT)
-            pa = _dot(q6, x6, pa, FP32_DOT)
-            pb = _dot(q7, x7, pb, FP32_DOT)
-            part = pa + pb
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            part = _dot(q0, x0, part, FP32_DOT)
+            part = _dot(q1, x1, part, FP32_DOT)
+            part = _dot(q2, x2, part, FP32_DOT)
+            part = _dot(q3, x3, part, FP32_DOT)
+            part = _dot(q4, x4, part, FP32_DOT)
+            part = _dot(q5, x5, part, FP32_DOT)
+            part = _dot(q6, x6, part, FP32_DOT)
+            part = _dot(q7, x7, part, FP32_DOT)
             xs = (x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32)
                   + x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32))
             xsum = tl.sum(xs, axis=0)
@@ -249,18 +239,21 @@ def _decode_kernel(
                 s2 = tl.load(s_ptr + g2)
                 z2 = tl.load(z_ptr + g2)
             else:
-                s2 = tl.broadcast_to(s_cur[:, None], (BLOCK_N, BLOCK_K8))
-                z2 = tl.broadcast_to(z_cur[:, None], (BLOCK_N, BLOCK_K8))
+                g = k0 // group_size
+                s1 = tl.load(s_ptr + g * N + n_safe)
+                z1 = tl.load(z_ptr + g * N + n_safe)
+                s2 = tl.broadcast_to(s1[:, None], (BLOCK_N, BLOCK_K8))
+                z2 = tl.broadcast_to(z1[:, None], (BLOCK_N, BLOCK_K8))
             nzs = (-(z2.to(tl.float32) * s2.to(tl.float32))).to(dtype)
             d0, d1, d2, d3, d4, d5, d6, d7 = _nibbles8(w, s2, nzs, nzs, True, USE_PTX)
-            pa = _dot(d0, x0, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), FP32_DOT)
+            acc = _dot(d0, x0, acc, FP32_DOT)
             acc = _dot(d1, x1, acc, FP32_DOT)
-            pa = _dot(d2, x2, pa, FP32_DOT)
+            acc = _dot(d2, x2, acc, FP32_DOT)
             acc = _dot(d3, x3, acc, FP32_DOT)
-            pa = _dot(d4, x4, pa, FP32_DOT)
+            acc = _dot(d4, x4, acc, FP32_DOT)
             acc = _dot(d5, x5, acc, FP32_DOT)
-            pa = _dot(d6, x6, pa, FP32_DOT)
-            acc = _dot(d7, x7, acc, FP32_DOT) + pa
+            acc = _dot(d6, x6, acc, FP32_DOT)
+            acc = _dot(d7, x7, acc, FP32_DOT)
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = m_mask[None, :] & n_mask[:, None]
     if ATOMIC:
@@ -471,8 +464,10 @@ def _use_ptx(device, dtype) -> bool:
 def _decode_config(m: int, interpret: bool):
     if interpret:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)
-    # 4 warps and 128 columns: the largest tile for which Triton streams the x columns asynchronously too
-    return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=128, num_warps=4, num_stages=3)
+    # Best of an H200 sweep (benchmarks/results/w4a16_sweep.json): 128 columns, 4 warps.
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -498,9 +493,8 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     per_split = triton.cdiv(k_steps, split_k)
     split_k = triton.cdiv(k_steps, per_split)
     target = out if split_k == 1 else torch.zeros((m, n), device=x2.device, dtype=torch.float32)
-    x_perm = x2.view(m, k // 8, 8).transpose(1, 2).contiguous()  # [M, 8, K // 8]: see the kernel
     _decode_kernel[(n_tiles, split_k, m_tiles)](
-        x_perm, qweight, scales, zeros, target, m, n, k, k, target.stride(0), group_size, per_split,
+        x2, qweight, scales, zeros, target, m, n, k, x2.stride(0), target.stride(0), group_size, per_split,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, FACTORED=factored, PER_ROW_GROUPS=per_row,
         EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_k > 1, USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
