@@ -615,8 +615,16 @@ _INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tin
 CONFIG_OVERRIDE: dict = {}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a jit function: ~40 us per call from Python
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _block_dim(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _next_pow2(d))
 
 
 def _config(kind: str, block_d: int, decode: bool = False):
@@ -696,7 +704,7 @@ def _kv_descriptor(t, block_n, block_d):
     if not ((sh % ss == 0 and d <= ss) or (sh >= d and sh * (h - 1) + d <= ss)):
         return None  # a head's row would straddle two descriptor rows
     span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-    return TensorDescriptor(t, [triton.cdiv(span, ss), ss], [ss, 1], [block_n, block_d])
+    return TensorDescriptor(t, [_cdiv(span, ss), ss], [ss, 1], [block_n, block_d])
 
 
 _TMA_FAILED: set = set()  # (block dims, config) whose TMA variant did not fit in shared memory
@@ -722,7 +730,7 @@ def _num_splits(programs, seqlen_k, block_n, device):
     sms = _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
     if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(seqlen_k, 4 * block_n), triton.cdiv(4 * sms, programs), 128))
+    return max(1, min(_cdiv(seqlen_k, 4 * block_n), _cdiv(4 * sms, programs), 128))
 
 
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -752,11 +760,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     bm, bn, warps, stages = _config("fwd", max(bdk, bdv), decode=decode)
     pack = decode and hq > hkv  # tile rows = (query head of the group, query): K/V read once per KV head
     rows_per_head = mq * (hq // hkv) if pack else mq
-    programs = triton.cdiv(rows_per_head, bm) * (hkv if pack else hq) * batch
+    programs = _cdiv(rows_per_head, bm) * (hkv if pack else hq) * batch
     splits = 1 if varlen else (num_splits or _num_splits(programs, mk, bn, q.device))
-    splits = max(1, min(splits, triton.cdiv(max(mk, 1), bn)))
-    split_len = triton.cdiv(triton.cdiv(max(mk, 1), splits), bn) * bn
-    splits = triton.cdiv(max(mk, 1), split_len)
+    splits = max(1, min(splits, _cdiv(max(mk, 1), bn)))
+    split_len = _cdiv(_cdiv(max(mk, 1), splits), bn) * bn
+    splits = _cdiv(max(mk, 1), split_len)
     cu_q = cu_seqlens_q if varlen else q  # unused pointer when dense
     cu_k = cu_seqlens_k if varlen else q
     flags = _flags(q, left, right, softcap, slopes)
@@ -769,7 +777,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     else:
         o_dst, l_dst = out, lse
         o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
-    grid = (triton.cdiv(rows_per_head, bm), hkv if pack else hq, batch * splits)
+    grid = (_cdiv(rows_per_head, bm), hkv if pack else hq, batch * splits)
     k_arg, v_arg, tma = k, v, False
     tma_key = (bdk, bdv, bm, bn, warps, stages)
     if tma_key not in _TMA_FAILED and _use_tma(q, d_qk, d_v, bdk, bdv):
@@ -798,7 +806,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         rows = batch * hq * mq
         _combine_kernel[(rows,)](o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
                                  *_lse_strides(lse, False), D_V=d_v, BLOCK_DV=bdv,
-                                 BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
+                                 BLOCK_SPLITS=max(2, _next_pow2(splits)), num_warps=4)
     return out, lse
 
 
@@ -831,19 +839,19 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     lse2 = torch.empty_like(lse)
     l_strides = _lse_strides(lse, varlen)
     pre_bm = 64 if not _interpreting() else 16
-    _bwd_preprocess[(triton.cdiv(mq, pre_bm), hq, batch)](
+    _bwd_preprocess[(_cdiv(mq, pre_bm), hq, batch)](
         out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
         D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen, **flags)
     bm, bn, warps, stages = _config("dkdv", bdmax)
-    _bwd_dkdv_kernel[(triton.cdiv(mk, bn), hkv, batch)](
+    _bwd_dkdv_kernel[(_cdiv(mk, bn), hkv, batch)](
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
         *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     bm, bn, warps, stages = _config("dq", bdmax)
-    _bwd_dq_kernel[(triton.cdiv(mq, bm), hq, batch)](
+    _bwd_dq_kernel[(_cdiv(mq, bm), hq, batch)](
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
         *_strides4(dq, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
