@@ -277,3 +277,17 @@ def test_decode_packs_gqa_heads(kw):
 def test_decode_packed_varlen():
     q, k, v, kw = _varlen([1, 2, 0, 1], [30, 5, 7, 1], 6, 2, 32)
     _compare(q, k, v, causal=True, **kw)
+
+
+def test_no_keys_at_all():
+    q = _rand(1, 5, 2, 16)
+    k = v = _rand(1, 0, 2, 16)
+    out, lse = triton_backend.attention_forward(q, k, v, causal=True)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    cu_q = torch.tensor([0, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0], dtype=torch.int32)
+    out, lse = triton_backend.attention_forward(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse)) and lse.shape == (2, 5)
+    dq, dk, dv = triton_backend.attention_backward(torch.ones_like(out), q[0], k[0], v[0], out, lse,
+                                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert torch.all(dq == 0) and dk.shape == k[0].shape

@@ -751,7 +751,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    if k.shape[-3] == 0 and not varlen:  # no keys at all: every row is empty
+    if k.numel() == 0 or v.numel() == 0:  # no keys at all: every row is empty
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
