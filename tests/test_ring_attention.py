@@ -70,10 +70,11 @@ def _ring_case(group, seed, *, batch, doc_lens, hq, hkv, d, causal, dtype, softc
     return errs
 
 
-def _exactness_worker(rank, world_size):
+def _ring_worker(rank, world_size, result_path):
     # every rank must create every group, in the same order
     groups = {w: dist.new_group(list(range(w))) for w in range(1, world_size)}
     groups[world_size] = None  # the default group
+    bf16_errors = {}
     for w in range(1, world_size + 1):
         if rank >= w:
             continue
@@ -91,20 +92,23 @@ def _exactness_worker(rank, world_size):
             assert errs.max() < 1e-10, (w, case, errs.tolist())
             errs = _ring_case(group, 100 * w + i, dtype=torch.float32, **case)
             assert errs.max() < 2e-5, (w, case, errs.tolist())
-
-
-def test_ring_equals_full_attention_world_1_to_4():
-    run_in_processes(_exactness_worker, 4, env=WORKER_ENV)
-
-
-def _bf16_error_worker(rank, world_size, result_path):
-    groups = {w: dist.new_group(list(range(w))) for w in range(1, world_size + 1)}
-    errors = {}
-    for w in range(1, world_size + 1):
-        if rank < w:
-            errors[w] = _bf16_case(groups[w])
+        bf16_errors[w] = _bf16_case(group)
     if rank == 0:
-        torch.save(errors, result_path)
+        torch.save(bf16_errors, result_path)
+
+
+def test_ring_equals_full_attention_world_1_to_4_and_bf16_error_is_flat(tmp_path):
+    """One spawn of 4 processes: exactness at world sizes 1-4 (sub-groups), then the bf16 error per world size."""
+    path = tmp_path / "bf16_errors.pt"
+    run_in_processes(_ring_worker, 4, str(path), env=WORKER_ENV)
+    errors = torch.load(path)
+    base_max, base_mean = errors[1].tolist()
+    assert base_max > 0  # bf16 output rounding is visible: the comparison means something
+    for w in (2, 3, 4):
+        max_err, mean_err = errors[w].tolist()
+        # fp32 merging: at most one bf16 rounding of each block output and one of the result, whatever the world
+        # size (merging in bf16 instead measured 12x / 20x the world-1 max error at w = 2 / 4)
+        assert max_err <= 2.0 * base_max and mean_err <= 1.5 * base_mean, errors
 
 
 def _bf16_case(group):
@@ -121,18 +125,6 @@ def _bf16_case(group):
     dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM, group=group)
     stats[1] /= dist.get_world_size(group)
     return stats
-
-
-def test_bf16_error_flat_in_world_size(tmp_path):
-    path = tmp_path / "errors.pt"
-    run_in_processes(_bf16_error_worker, 4, str(path), env=WORKER_ENV)
-    errors = torch.load(path)
-    base_max, base_mean = errors[1].tolist()
-    assert base_max > 0  # bf16 output rounding is visible: the comparison means something
-    for w in (2, 3, 4):
-        max_err, mean_err = errors[w].tolist()
-        # fp32 merging: one bf16 rounding of each block output and one of the result, whatever the world size
-        assert max_err <= 2.0 * base_max and mean_err <= 1.5 * base_mean, errors
 
 
 # ---- single process -----------------------------------------------------------------------------------------
