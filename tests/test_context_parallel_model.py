@@ -107,8 +107,36 @@ def _llama_worker(rank, world_size):
             assert ((full - ref.logits.detach()).norm() / ref.logits.norm()) < 1e-6
 
 
-def test_tiny_llama_cp2_matches_one_process():
-    run_in_processes(_llama_worker, 2, env=WORKER_ENV)
+def _families_worker(rank, world_size):
+    """GPT-2 (absolute positions, layer-scaled attention), GPT-NeoX / GPT-J (partial rotary), GPT-BigCode (MQA):
+    CP=2 logits and loss equal the one-process ones."""
+    from hf_fastpath.parallel import context_parallel
+    from tests.models import VOCAB, tiny_model
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (2, 11), generator=g)
+    for family in ("gpt2", "gpt_neox", "gptj", "gpt_bigcode"):
+        model = tiny_model(family, "eager", dtype=torch.float64)
+        ref = model(input_ids=ids)
+        ref_loss = F.cross_entropy(ref.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        shard = shard_causal_lm_batch({"input_ids": ids}, None)
+        labels = shard.pop("shift_labels")
+        with context_parallel(model, None):
+            logits = model(**shard).logits
+        loss = context_parallel_loss(logits, labels, None).detach()
+        dist.all_reduce(loss)
+        assert torch.allclose(loss / world_size, ref_loss, rtol=0, atol=1e-8), family
+        full = zigzag_unshard(logits.detach(), 1, None)[:, :11]
+        assert ((full - ref.logits).norm() / ref.logits.norm()) < 1e-6, family
+
+
+def _model_worker(rank, world_size):
+    _llama_worker(rank, world_size)
+    _families_worker(rank, world_size)
+
+
+def test_tiny_models_cp2_match_one_process():
+    run_in_processes(_model_worker, 2, env=WORKER_ENV)
 
 
 def test_ring_attention_errors_without_context_and_on_padding():

@@ -22,8 +22,8 @@ itself) and refuses padded batches: pack sequences instead. `position_ids` must 
 tokens (`shard_causal_lm_batch` provides them), so rotary embeddings are right. Packed batches pass the GLOBAL
 `cu_seq_lens_q/k` to the model; the ring splits every document zigzag-wise.
 
-Supported: models whose attention goes through `ALL_ATTENTION_FUNCTIONS` (Llama, GPT-2, GPT-NeoX, GPT-J,
-GPT-BigCode, ...), training and full-sequence forward. Not supported: Falcon (own attention classes), KV-cache
+Supported: models whose attention goes through `ALL_ATTENTION_FUNCTIONS` (tested: Llama, GPT-2, GPT-NeoX, GPT-J,
+GPT-BigCode), training and full-sequence forward, DDP and FSDP2 (tested on CPU with gloo). Not supported: Falcon (own attention classes), KV-cache
 decoding, sliding windows, attention sinks, ALiBi, attention dropout.
 """
 
