@@ -92,8 +92,10 @@ def _check_packed_batch(family):
         # padding-free training batch (no KV cache: GPT-BigCode's attention never sees position_ids, so its packing
         # is detected by Transformers' mask preparation, which only looks when there is no cache)
         by_positions = model(ids, position_ids=position_ids, use_cache=False).logits[0]
-        by_cu_seqlens = model(ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                              max_length_q=longest, max_length_k=longest, use_cache=False).logits[0]
+        collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(
+            [{"input_ids": s.tolist()} for s in seqs])
+        assert torch.equal(collated["cu_seq_lens_q"], cu) and torch.equal(collated["position_ids"], position_ids)
+        by_cu_seqlens = model(**collated).logits[0]
     torch.testing.assert_close(by_positions, alone, atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(by_cu_seqlens, alone, atol=ATOL, rtol=1e-4)
 
