@@ -197,6 +197,19 @@ def test_real_kernel_packed_batch():
     _check_packed_batch("falcon_gqa")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_kernel_half_precision_padded_forward(dtype):
+    ref = tiny_model("llama", "eager")
+    fast = tiny_model("llama", "fastpath", dtype=dtype)
+    ids, mask = random_batch(2, 9, left_pad=(3, 0), right_pad=(0, 2), seed=13)
+    real = mask.bool()
+    with torch.no_grad():
+        got = fast(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got[real].float(), want[real], atol=3e-2, rtol=3e-2)
+
+
 def test_real_kernel_static_cache_generate():
     ref, fast = tiny_model("gpt_neox", "eager"), tiny_model("gpt_neox", "fastpath")
     for ids, mask in (random_batch(2, 6, left_pad=(2, 0), seed=10), random_batch(1, 5, seed=11)):
