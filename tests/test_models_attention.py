@@ -307,6 +307,26 @@ def test_dropout_without_kernel_support_falls_back_to_sdpa_with_one_warning(capl
                                    eager(ids, attention_mask=mask).logits[mask.bool()], atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "falcon_alibi"])
+def test_training_with_attention_dropout_on_fastpath(reference_kernel, family):
+    """Our kernels have no dropout: `fastpath` falls back to SDPA for those training steps (warned once); the
+    dropout really is applied there (two steps differ), and eval mode is deterministic and equals the reference."""
+    dropout = {"attention_dropout": 0.5}
+    model = tiny_model(family, "fastpath", **dropout).train()
+    ids, mask = random_batch(2, 8, left_pad=(2,), seed=14)
+    real = mask.bool()
+    first = model(ids, attention_mask=mask).logits[real]
+    second = model(ids, attention_mask=mask).logits[real]
+    assert not torch.allclose(first, second)
+    second.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    ref = tiny_model(family, _reference_impl(family), **dropout)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits[real],
+                                   ref(ids, attention_mask=mask).logits[real], atol=ATOL, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The adapter alone, against a dense masked reference
 
