@@ -7,7 +7,9 @@ Every config: 2 layers, hidden 64, 4 query heads (head dim 16), vocab 128, 64 po
 `llama` (GQA 4/2), `falcon` (rotary + multi-query), `falcon_gqa` (new_decoder_architecture, 2 KV heads),
 `falcon_alibi` (ALiBi, parallel attention), `gpt2` (Conv1D, scale_attn_by_inverse_layer_idx), `gpt_neox` (partial
 rotary), `gptj` (partial rotary), `gpt_bigcode` (multi-query). `overrides` are config keyword arguments, e.g.
-`tiny_config("llama", hidden_size=256, intermediate_size=512)` for group-size-128 quantization tests.
+`tiny_config("llama", hidden_size=256, intermediate_size=512)` for group-size-128 quantization tests
+(`hidden_size` works for every family: GPT-2, GPT-J and GPT-BigCode map it to `n_embd`).
+Import as `from models import ...` (pytest puts tests/ on sys.path) or `from tests.models import ...` from the repo root.
 """
 
 from __future__ import annotations
