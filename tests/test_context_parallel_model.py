@@ -154,23 +154,20 @@ def test_ring_attention_errors_without_context_and_on_padding():
                                "attention_mask": torch.tensor([[0, 1, 1, 1]])})
 
 
-def test_world_size_one_context_parallel_equals_plain_model():
+def test_world_size_one_context_parallel_equals_plain_model(monkeypatch):
     from hf_fastpath.parallel import context_parallel
 
-    os.environ["TRITON_INTERPRET"] = "0"  # reference kernels for float64
-    try:
-        model = _tiny_llama()
-        batch = _batches()["packed"]
-        ref = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-        labels = batch["labels"]
-        ref_loss = F.cross_entropy(ref.logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1), ignore_index=-100)
-        shard = shard_causal_lm_batch(batch)  # world 1: shift, pad every document to even length
-        labels = shard.pop("shift_labels")
-        with context_parallel(model):
-            loss = context_parallel_loss(model(**shard).logits, labels)
-        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-8)
-    finally:
-        os.environ["TRITON_INTERPRET"] = "1"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # reference kernels for float64
+    model = _tiny_llama()
+    batch = _batches()["packed"]
+    ref = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    labels = batch["labels"]
+    ref_loss = F.cross_entropy(ref.logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1), ignore_index=-100)
+    shard = shard_causal_lm_batch(batch)  # world 1: shift, pad every document to even length
+    labels = shard.pop("shift_labels")
+    with context_parallel(model):
+        loss = context_parallel_loss(model(**shard).logits, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-8)
 
 
 def test_example_cpu_smoke_run_under_accelerate_launch(tmp_path):

@@ -126,7 +126,9 @@ def _unwrap(model):
         seen.add(id(model))
         if hasattr(model, "config") and hasattr(model, "set_attn_implementation"):
             return model
-        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or model
+        inner = getattr(model, "module", None)
+        inner = getattr(model, "_orig_mod", None) if inner is None else inner
+        model = model if inner is None else inner
     raise TypeError(f"{type(model).__name__} is not a Transformers model (no config / set_attn_implementation).")
 
 
