@@ -63,6 +63,9 @@ def _falcon_class():
             if self.new_decoder_architecture:  # [.., groups, q-per-group + k + v, D]; K/V not broadcast
                 qkv = fused_qkv.view(b, s, -1, self.num_heads // self.num_kv_heads + 2, self.head_dim)
                 return qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]
+            if self.multi_query:  # views (Falcon's own split copies K/V with list indexing)
+                qkv = fused_qkv.view(b, s, self.num_heads + 2, self.head_dim)
+                return qkv[:, :, :-2], qkv[:, :, -2:-1], qkv[:, :, -1:]
             return self._split_heads(fused_qkv)
 
         def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
