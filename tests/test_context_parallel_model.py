@@ -186,3 +186,16 @@ def test_example_cpu_smoke_run_under_accelerate_launch(tmp_path):
     assert len(log["losses"]) == 2 and all(torch.isfinite(torch.tensor(log["losses"])))
     assert log["cp_size"] == 2 and log["dp_size"] == 1 and log["packed"]
     assert log["model_class"] == "DistributedDataParallel"
+
+
+def test_batch_sharding_shifts_labels_per_document_then_pads():
+    ids = torch.tensor([[11, 12, 13, 21, 22, 31, 32, 33, 34]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    out = shard_causal_lm_batch({"input_ids": ids, "position_ids": pos}, None, pad_token_id=5)  # world 1
+    assert out["cu_seq_lens_q"].tolist() == [0, 4, 6, 10]  # documents padded to even lengths
+    assert out["input_ids"].tolist() == [[11, 12, 13, 5, 21, 22, 31, 32, 33, 34]]
+    # next-token targets inside each document only; padding and every document's last token ignored
+    assert out["shift_labels"].tolist() == [[12, 13, -100, -100, 22, -100, 32, 33, 34, -100]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="batch size 1"):
+        shard_causal_lm_batch({"input_ids": ids.expand(2, -1), "position_ids": pos.expand(2, -1)}, None)

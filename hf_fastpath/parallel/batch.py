@@ -31,13 +31,20 @@ def _documents(batch: dict) -> list[int] | None:
     if batch.get("cu_seq_lens_q") is not None:
         return [int(c) for c in batch["cu_seq_lens_q"].tolist()]
     pos = batch.get("position_ids")
-    if pos is not None and pos.shape[0] == 1 and pos.shape[1] > 1:
-        starts = (pos[0] == 0).nonzero().flatten().tolist()
-        if len(starts) > 1 or (starts and starts[0] != 0):
-            if not starts or starts[0] != 0:
-                starts = [0] + starts
-            return starts + [pos.shape[1]]
-    return None
+    if pos is None or pos.shape[-1] < 2:
+        return None
+    restarts = (pos[..., 1:] == 0).any(-1).reshape(-1)  # a position id restarting at 0 inside a row: packed
+    if pos.dim() == 2 and pos.shape[0] > 1 and bool(restarts.any()):
+        raise ValueError(
+            "position_ids restart inside a row of a batch with several rows: context parallelism takes packed "
+            "documents as ONE row (batch size 1), e.g. from DataCollatorWithFlattening."
+        )
+    if not bool(restarts.any()):
+        return None
+    starts = (pos.reshape(-1) == 0).nonzero().flatten().tolist()
+    if starts[0] != 0:
+        starts = [0] + starts
+    return starts + [pos.shape[-1]]
 
 
 def _shift(labels: torch.Tensor, cu: list[int] | None) -> torch.Tensor:
