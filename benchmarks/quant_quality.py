@@ -267,17 +267,16 @@ def plot(json_path: Path, png_path: Path) -> None:
     fp = runs[0]["ppl"]
     sets = list(fp)
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.2))
+    methods = list(dict.fromkeys(r["method"] for r in runs[1:]))
     for ax, name in zip(axes, sets):
         for bits, color in ((4, "tab:blue"), (3, "tab:orange")):
             rows = [r for r in runs[1:] if r["bits"] == bits]
-            labels = [r["method"] for r in rows]
             values = [r["ppl"][name] for r in rows]
-            x = [labels.index(lab) + (0.2 if bits == 3 else -0.2) for lab in labels]
+            x = [methods.index(r["method"]) + (0.2 if bits == 3 else -0.2) for r in rows]
             bars = ax.bar(x, values, width=0.4, color=color, label=f"{bits}-bit g{result['group_size']}")
             for b, v, r in zip(bars, values, rows):
                 ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}\n{r.get('calibration_seconds', 0):.0f}s",
                         ha="center", va="bottom", fontsize=7)
-        methods = list(dict.fromkeys(r["method"] for r in runs[1:]))
         ax.set_xticks(range(len(methods)), methods, rotation=15)
         ax.axhline(fp[name], color="black", linestyle="--", label=f"{runs[0]['method']} {fp[name]:.2f}")
         ax.set_title(f"{name} ({result['evaluation']['tokens'][name]} tokens)")
