@@ -129,7 +129,7 @@ def prefill_cases(quick=False):
         flash_attention_forward = None
     rows = []
     for d in (128, 256):
-        for s in (SEQS[:1] if quick else SEQS):
+        for s in (SEQS[:1] if quick else SEQS if d == 128 else SEQS[-1:]):
             for causal in (False, True):
                 b, h = TOKENS // s, HEADS[d]
                 torch.manual_seed(0)
@@ -213,7 +213,7 @@ def sweep():
     from hf_fastpath.kernels import lowbit_attention as kla
 
     rows = []
-    s, b, h, d = 8192, 2, 16, 128
+    s, b, h, d = 16384, 1, 16, 128
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
@@ -221,11 +221,12 @@ def sweep():
     k8, ks = kla.quantize_e4m3_rows(k, "fp8")
     v8, vs = kla.quantize_e4m3_rows(v, "fp8", transpose=True)
     vt = kla.transpose_v(v.reshape(-1, h, d))
-    cands = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3)]
-    for lowp in (True,):
+    cands = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)]
+    best = {}
+    for lowp in (True, False):
         for cfg in cands:
             kla.CONFIG_OVERRIDE[(d, lowp, False)] = cfg
-            for causal in (False, True):
+            for causal in (False,):
                 args = (q8, qs, k8, ks, v8, vs) if lowp else (q.reshape(-1, h, d), None, k.reshape(-1, h, d), None,
                                                               vt, None)
                 try:
@@ -236,8 +237,15 @@ def sweep():
                     tf = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(dict(lowp=lowp, config=cfg, causal=causal, tflops=tf))
                 _log("sweep", rows[-1])
+                if isinstance(tf, float) and tf > best.get(lowp, (0, None))[0]:
+                    best[lowp] = (tf, cfg)
         kla.CONFIG_OVERRIDE.pop((d, lowp, False), None)
-    return rows
+    for lowp, (tf, cfg) in best.items():  # the prefill table below runs with the winners
+        kla.CONFIG_OVERRIDE[(d, lowp, False)] = cfg
+        if lowp:
+            kla.CONFIG_OVERRIDE[(d, True, True)] = cfg
+    _log("sweep winners", best)
+    return dict(rows=rows, winners={str(k): v for k, v in best.items()})
 
 
 def decode_cases(quick=False):

@@ -123,12 +123,44 @@ class _LowBitAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", causal=False, softmax_scale=None, cu_seqlens_q=None,
-                     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, return_lse=False, backend="auto", dropout_p=0.0):
+_HADAMARD: dict = {}
+
+
+def hadamard(d: int, device, dtype) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix `[d, d]` (d a power of two)."""
+    key = (d, str(device), dtype)
+    if key not in _HADAMARD:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD[key] = (h / math.sqrt(d)).to(device=device, dtype=dtype)
+    return _HADAMARD[key]
+
+
+class _Rotated(torch.autograd.Function):
+    """x @ H with the exact inverse in backward (H orthonormal and symmetric)."""
+
+    @staticmethod
+    def forward(ctx, x, h):
+        ctx.save_for_backward(h)
+        return x @ h
+
+    @staticmethod
+    def backward(ctx, g):
+        (h,) = ctx.saved_tensors
+        return g @ h, None
+
+
+def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal=False, softmax_scale=None,
+                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False, backend="auto",
+                     dropout_p=0.0):
     """Attention with Q/K/V (and P) in `fmt` ("fp8", "mxfp4", "nvfp4"); arguments as `hf_fastpath.attention`.
     `p_format`: "fp8", "fp4", or "auto" (FP4 P only on GPUs with FP4 tensor cores, sm_100+; FP8 P otherwise).
-    `backend` is accepted for signature compatibility; the bf16 fallback uses it."""
+    `rotate`: multiply Q, K, V by an orthonormal Hadamard matrix along the head dim before quantizing (and the output
+    by its inverse): q.k and P.V are unchanged, outlier channels are spread over all channels, so the per-token
+    scales waste less range (as FlashAttention-3's FP8 "incoherent processing"). Per token: still causally safe.
+    Only for power-of-two head dims. `backend` is accepted for signature compatibility; the bf16 fallback uses it."""
     if fmt not in lq.FORMATS:
         raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
     window_size = tuple(int(w) for w in window_size)
@@ -168,7 +200,13 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", causal=False, softm
     kw = dict(causal=bool(causal), softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=0.0, alibi_slopes=None)
-    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw)
+    if rotate and d >= 16 and d & (d - 1) == 0:
+        h = hadamard(d, q.device, q.dtype)
+        out, lse = _LowBitAttention.apply(_Rotated.apply(q, h), _Rotated.apply(k, h), _Rotated.apply(v, h), fmt,
+                                          _resolve_p_fp4(p_format, q.device), kw)
+        out = _Rotated.apply(out, h)  # H is symmetric and orthonormal: its own inverse
+    else:
+        out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw)
     return (out, lse) if return_lse else out
 
 

@@ -77,24 +77,31 @@ def _attend_block(acc, l_i, m_i, mv_i, q, qs, K, KS, VT, VS, k_start, k_len, hk,
                   HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOWP: tl.constexpr,
                   P_FP4: tl.constexpr, EMULATE: tl.constexpr):
+    """One key block. In unmasked blocks every row sees every key, so `mv_i` (running max of the visible V
+    scales) is one scalar for the whole tile; masked blocks carry it per row."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
     col_ok = offs_n < k_len
     k_ptrs = K + ((k_start + offs_n)[:, None] * HKV + hk) * D + offs_d[None, :]
     v_ptrs = VT + (hk * D + offs_d)[:, None] * T_K_PAD + (k_start + offs_n)[None, :]
     if MASKED:
-        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        vt = tl.load(v_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        k = tl.load(k_ptrs, mask=col_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=(offs_d < D)[:, None] & col_ok[None, :], other=0.0)
+    elif D == D_PAD:
+        k = tl.load(k_ptrs)
+        vt = tl.load(v_ptrs)
     else:
-        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        vt = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=(offs_d < D)[:, None], other=0.0)
     if EMULATE:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
         qk = tl.dot(q, tl.trans(k))
     if LOWP:
-        ks = tl.load(KS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
+        if MASKED:
+            ks = tl.load(KS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
+        else:
+            ks = tl.load(KS + (k_start + offs_n) * HKV + hk)
         s = qk * qs[:, None] * ks[None, :]
     else:
         s = qk * qs[:, None]
@@ -103,35 +110,40 @@ def _attend_block(acc, l_i, m_i, mv_i, q, qs, K, KS, VT, VS, k_start, k_len, hk,
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= offs_m[:, None] + diag)
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if LOWP:
-        vs = tl.load(VS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
         if MASKED:
-            vmax = tl.max(tl.where(vis, vs[None, :], 0.0), 1)
+            vs = tl.load(VS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
+            mv_new = tl.maximum(mv_i, tl.max(tl.where(vis, vs[None, :], 0.0), 1))
+            inv = tl.where(mv_new > 0, 256.0 / tl.maximum(mv_new, 1e-30), 0.0)
+            pv = p * vs[None, :] * inv[:, None]
         else:
-            vmax = tl.max(vs, 0)
-        mv_new = tl.maximum(mv_i, vmax)
-        beta = tl.where(mv_new > 0, mv_i / mv_new, 1.0)
-        inv = tl.where(mv_new > 0, 256.0 / mv_new, 0.0)
-        pv = p * vs[None, :] * inv[:, None]
+            vs = tl.load(VS + (k_start + offs_n) * HKV + hk)
+            mv_new = tl.maximum(mv_i, tl.max(vs, 0))  # scalar
+            w = vs * tl.where(mv_new > 0, 256.0 / tl.maximum(mv_new, 1e-30), 0.0)
+            pv = p * w[None, :]
+        beta = tl.where(mv_new > 0, mv_i / tl.maximum(mv_new, 1e-30), 1.0)
         if P_FP4:
             pv = _round_p_fp4(pv, BLOCK_M, BLOCK_N)
+        acc = acc * (alpha * beta)[:, None]
         if EMULATE:
-            pvacc = tl.dot(_round_e4m3_nonneg(pv), tl.trans(vt.to(tl.float32)))
+            acc = tl.dot(_round_e4m3_nonneg(pv), tl.trans(vt.to(tl.float32)), acc)
         else:
-            pvacc = tl.dot(pv.to(tl.float8e4nv), tl.trans(vt))
-        acc = acc * (alpha * beta)[:, None] + pvacc
+            acc = tl.dot(pv.to(tl.float8e4nv), tl.trans(vt), acc)
     else:
         mv_new = mv_i
+        acc = acc * alpha[:, None]
         if EMULATE:
-            pvacc = tl.dot(p.to(vt.dtype).to(tl.float32), tl.trans(vt.to(tl.float32)))
+            acc = tl.dot(p.to(vt.dtype).to(tl.float32), tl.trans(vt.to(tl.float32)), acc)
         else:
-            pvacc = tl.dot(p.to(vt.dtype), tl.trans(vt))
-        acc = acc * alpha[:, None] + pvacc
+            acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
     return acc, l_i, m_new, mv_new
 
 
@@ -164,7 +176,7 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, O, LSE, CU_Q, CU_K, qk_scale, T_K_P
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-        mv_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        mv_s = tl.max(tl.zeros([BLOCK_M], dtype=tl.float32), 0)  # scalar while no row is masked
         diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right aligned)
         if CAUSAL:
             hi = tl.minimum(k_len, m_start + BLOCK_M + diag)
@@ -175,11 +187,12 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, O, LSE, CU_Q, CU_K, qk_scale, T_K_P
         hi = tl.maximum(hi, 0)
         full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
         full = tl.minimum(full, hi)
-        for start_n in range(0, full, BLOCK_N):
-            acc, l_i, m_i, mv_i = _attend_block(acc, l_i, m_i, mv_i, q, qs, K, KS, VT, VS, k_start, k_len, hk,
+        for start_n in tl.range(0, full, BLOCK_N):
+            acc, l_i, m_i, mv_s = _attend_block(acc, l_i, m_i, mv_s, q, qs, K, KS, VT, VS, k_start, k_len, hk,
                                                 start_n, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N,
                                                 False, CAUSAL, LOWP, P_FP4, EMULATE)
-        for start_n in range(full, hi, BLOCK_N):
+        mv_i = tl.zeros([BLOCK_M], dtype=tl.float32) + mv_s
+        for start_n in tl.range(full, hi, BLOCK_N):
             acc, l_i, m_i, mv_i = _attend_block(acc, l_i, m_i, mv_i, q, qs, K, KS, VT, VS, k_start, k_len, hk,
                                                 start_n, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N,
                                                 True, CAUSAL, LOWP, P_FP4, EMULATE)

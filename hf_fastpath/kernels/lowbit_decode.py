@@ -7,9 +7,9 @@ read once per group) and one contiguous slice of the keys; a second kernel merge
 Cache layout per layer (`fmt` as in `lowbit_quant`): data `[B, Hkv, S_cap, Dq]` (Dq = D for bf16/fp8, D/2 for
 packed FP4), row scales fp32 `[B, Hkv, S_cap]` (fp8, nvfp4), block scales `[B, Hkv, S_cap, D/block]` (FP4).
 
-Every cached value is turned into an exact bf16 number in registers (e4m3 and E2M1 x power-of-two or e4m3 block
-scale fit bf16's 8 significant bits), dotted with the bf16 query on tensor cores, and the fp32 row scale multiplies
-the scores / the probabilities afterwards.
+Every cached value becomes an exact fp16 number in registers (e4m3 directly; E2M1 through a bit trick, times its
+block scale relative to the row's largest), dotted with the fp16 query on tensor cores; the fp32 row factor
+multiplies the scores, and is folded into P (relative to the block's largest) for P.V. A bf16 cache runs in bf16.
 """
 
 from __future__ import annotations
@@ -29,41 +29,56 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_tile(DATA, ROWS, BSC, base_tok, offs_n, n_ok, S_CAP, D: tl.constexpr, FMT: tl.constexpr,
-               BLOCK: tl.constexpr, EMULATE: tl.constexpr):
-    """Cached rows `offs_n` -> (values [BLOCK_N, D] bf16 (fp32 under the interpreter), row scale [BLOCK_N])."""
+def _load_tile(DATA, ROWS, BSC, base_tok, offs_n, n_ok, D: tl.constexpr, FMT: tl.constexpr, BLOCK: tl.constexpr,
+               EMULATE: tl.constexpr):
+    """Cached rows `offs_n` -> (values [BLOCK_N, D] in the MMA dtype (fp16; bf16 for a bf16 cache; fp32 under the
+    interpreter), fp32 row factor [BLOCK_N]) with value * factor = the cached number. FP4 block scales are taken
+    relative to the row's largest (powers of two for mxfp4), so every value is exact in fp16."""
     tok = base_tok + offs_n
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
     if FMT == 0 or FMT == 1:
         offs_d = tl.arange(0, D)
         x = tl.load(DATA + tok[:, None] * D + offs_d[None, :], mask=n_ok[:, None], other=0.0)
         if EMULATE:
             vals = x.to(tl.float32)
+        elif FMT == 1:
+            vals = x.to(tl.float16)  # e4m3 -> fp16 is one conversion per pair on sm_89+; bf16 would take three
         else:
-            vals = x.to(tl.bfloat16)
+            vals = x
         if FMT == 1:
             rs = tl.load(ROWS + tok, mask=n_ok, other=0.0)
         else:
-            rs = tl.full(offs_n.shape, 1.0, tl.float32)
+            rs = tl.full([BLOCK_N], 1.0, tl.float32)
     else:
         offs_b = tl.arange(0, D // 2)
-        byte = tl.load(DATA + tok[:, None] * (D // 2) + offs_b[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (offs_n.shape[0], D))
-        # E2M1 bits -> fp16 bits: exponent field = e, top mantissa bit = m; value * 2**14 is the E2M1 value
-        half = (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-        offs_d = tl.arange(0, D)
-        sc_ptrs = BSC + tok[:, None] * (D // BLOCK) + (offs_d // BLOCK)[None, :]
-        if FMT == 2:
-            sc = tl.load(sc_ptrs, mask=n_ok[:, None], other=0)
-            bscale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # E8M0
-            rs = tl.full(offs_n.shape, 1.0, tl.float32)
-        else:
-            bscale = tl.load(sc_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        byte = tl.load(DATA + tok[:, None] * (D // 2) + offs_b[None, :], mask=n_ok[:, None], other=0).to(tl.int16)
+        codes = tl.reshape(tl.join(byte & 0xF, (byte >> 4) & 0xF), (BLOCK_N, D))
+        # E2M1 bits -> fp16 bits: exponent field = e, top mantissa bit = m; that fp16 number is the value / 2**14
+        half = (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.float16, bitcast=True)
+        offs_s = tl.arange(0, D // BLOCK)
+        sc_ptrs = BSC + tok[:, None] * (D // BLOCK) + offs_s[None, :]
+        if FMT == 2:  # E8M0: value = code * 2**(e - 127) = [code * 2**(e - e_max)] * 2**(e_max - 127)
+            e = tl.load(sc_ptrs, mask=n_ok[:, None], other=1).to(tl.int32)
+            e_max = tl.max(e, 1)
+            f = e - e_max[:, None] + 14 + 127  # the extra 2**14 undoes the fp16 bit trick's 2**-14
+            mult = tl.where(f >= 1, (tl.maximum(f, 1) << 23).to(tl.float32, bitcast=True), 0.0)
+            rs = tl.where(n_ok, (e_max << 23).to(tl.float32, bitcast=True), 0.0)
+        else:  # nvfp4: value = code * sb * row_scale; code * sb <= 2688 has <= 6 significant bits
+            sb = tl.load(sc_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            mult = sb
             rs = tl.load(ROWS + tok, mask=n_ok, other=0.0)
-        v32 = half.to(tl.float32) * (bscale * 16384.0)
         if EMULATE:
-            vals = v32
+            code_val = half.to(tl.float32) * 16384.0
+            if FMT == 2:
+                code_val = half.to(tl.float32)
+            vals = tl.reshape(tl.reshape(code_val, (BLOCK_N, D // BLOCK, BLOCK)) * mult[:, :, None], (BLOCK_N, D))
+        elif FMT == 2:
+            v3 = tl.reshape(half, (BLOCK_N, D // BLOCK, BLOCK)) * mult.to(tl.float16)[:, :, None]
+            vals = tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)
         else:
-            vals = v32.to(tl.bfloat16)
+            code_val = (half * 16384.0).to(tl.float16)
+            v3 = tl.reshape(code_val, (BLOCK_N, D // BLOCK, BLOCK)) * mult.to(tl.float16)[:, :, None]
+            vals = tl.reshape(v3, (BLOCK_N, D)).to(tl.float16)
     return vals, rs
 
 
@@ -84,18 +99,20 @@ def _decode_split_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CA
     q = tl.load(Q + (b * HQ + hq)[:, None] * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     if EMULATE:
         q = q.to(tl.float32)
-    else:
+    elif FMT == 0:
         q = q.to(tl.bfloat16)
+    else:  # fp16 MMA; a query beyond fp16's range saturates
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     base_tok = (b * HKV + hk) * S_CAP
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, kv_len)
     acc = tl.zeros([G_PAD, D], dtype=tl.float32)
     m_i = tl.zeros([G_PAD], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        k, ks = _load_tile(KD, KR, KB, base_tok, offs_n, n_ok, S_CAP, D, FMT, BLOCK, EMULATE)
+        k, ks = _load_tile(KD, KR, KB, base_tok, offs_n, n_ok, D, FMT, BLOCK, EMULATE)
         s = tl.dot(q, tl.trans(k)) * (ks * qk_scale)[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -103,9 +120,13 @@ def _decode_split_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CA
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v, vs = _load_tile(VD, VR, VB, base_tok, offs_n, n_ok, S_CAP, D, FMT, BLOCK, EMULATE)
-        pv = p * vs[None, :]
-        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
+        v, vs = _load_tile(VD, VR, VB, base_tok, offs_n, n_ok, D, FMT, BLOCK, EMULATE)
+        # V row factors lie along the contraction: fold them into P relative to the block's largest (P' <= 1, no
+        # fp16 underflow), and put that largest back on the block's product
+        vmax = tl.max(vs, 0)
+        w = vs * tl.where(vmax > 0, 1.0 / tl.maximum(vmax, 1e-30), 0.0)
+        pv = p * w[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v) * vmax
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # log2 domain
