@@ -299,6 +299,24 @@ def test_prepare_model_for_qlora_keeps_4bit_and_compute_dtype():
     assert set(ignored) <= set(peft_model._ddp_params_and_buffers_to_ignore)
 
 
+def test_peft_prepare_model_for_kbit_training_on_a_gptq_checkpoint(gptq_llama):
+    """PEFT's own recipe also works: a loaded GPTQ checkpoint is marked quantization_method='gptq', so PEFT leaves
+    dtypes alone and turns on gradient checkpointing."""
+    from peft import prepare_model_for_kbit_training
+
+    model = AutoModelForCausalLM.from_pretrained(gptq_llama)
+    assert getattr(model, "quantization_method", None) == "gptq"
+    model = prepare_model_for_kbit_training(model)
+    assert model.is_gradient_checkpointing
+    assert all(m.qweight.dtype == torch.int32 for m in model.modules() if isinstance(m, W4A16Linear))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    peft_model.train()
+    ids, mask = random_batch()
+    peft_model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    grads = [p.grad for p in peft_model.parameters() if p.requires_grad]
+    assert grads and all(g is not None for g in grads)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # convergence: a 30-step QLoRA run lowers the loss and tracks float LoRA
 
