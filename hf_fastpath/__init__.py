@@ -1,48 +1,52 @@
 """hf_fastpath: fast attention, W4A16 GPTQ/AWQ kernels, QLoRA and ring attention for Hugging Face Transformers.
 
-`import hf_fastpath` registers the `fastpath*` attention implementations, the W4A16 quantizer (and the GPTQ/AWQ
-checkpoint loaders) and the PEFT LoRA mapping with Transformers and PEFT.
+`import hf_fastpath` registers, with Transformers and PEFT:
+- the attention implementations `fastpath`, `fastpath_triton|fa2|fa3|fa4`, `fastpath_fp8`, `fastpath_fp4` and
+  `fastpath_ring` (with their mask functions), and fastpath attention classes for Falcon (and GPT-J on 5.17);
+- the W4A16 quantizer (`W4A16Config`) and GPTQ/AWQ checkpoint loading onto `W4A16Linear`;
+- the PEFT LoRA mapping for `W4A16Linear`.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 from .attention import attention, attention_backward, attention_forward
 
 __version__ = "0.1.0"
 
-# Registration hooks, one per integration. Each module exposes `register()`; it must be idempotent.
+# One `register()` per integration; each is idempotent.
 _INTEGRATIONS = (
     "hf_fastpath.integrations.transformers_attention",
+    "hf_fastpath.attention.lowbit",
+    "hf_fastpath.integrations.context_parallel",
     "hf_fastpath.integrations.transformers_quantizer",
     "hf_fastpath.integrations.peft",
 )
+for _name in _INTEGRATIONS:
+    importlib.import_module(_name).register()
+del _name
 
-
-def _register_integrations() -> None:
-    for name in _INTEGRATIONS:
-        if importlib.util.find_spec(name) is not None:  # TODO(lead): drop the guard once every module landed
-            importlib.import_module(name).register()
-
-
-_register_integrations()
+# Public names that live in submodules: loaded on first use.
+_LAZY = {
+    "W4A16Config": "hf_fastpath.quantization.config",
+    "W4A16Linear": "hf_fastpath.quantization.linear",
+    "ring_attention": "hf_fastpath.parallel.ring_attention",
+    "context_parallel": "hf_fastpath.integrations.context_parallel",
+    "prepare_model_for_qlora": "hf_fastpath.quantization.training",
+    "merge_and_dequantize": "hf_fastpath.integrations.peft",
+    "LowBitCache": "hf_fastpath.integrations.lowbit_cache",
+    "register_attention_variant": "hf_fastpath.integrations.transformers_attention",
+    "describe_backends": "hf_fastpath.attention.backends",
+}
 
 
 def __getattr__(name):
-    # Heavier parts load on first use.
-    if name == "W4A16Config":
-        from .quantization.config import W4A16Config
-
-        return W4A16Config
-    if name == "ring_attention":
-        from .parallel import ring_attention
-
-        return ring_attention
     if name == "parallel":
         return importlib.import_module(".parallel", __name__)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_fastpath' has no attribute {name!r}")
 
 
-__all__ = ["attention", "attention_forward", "attention_backward", "W4A16Config", "ring_attention", "__version__"]
+__all__ = ["attention", "attention_forward", "attention_backward", "__version__", *_LAZY]
