@@ -18,7 +18,6 @@ __version__ = "0.1.0"
 # One `register()` per integration; each is idempotent.
 _INTEGRATIONS = (
     "hf_fastpath.integrations.transformers_attention",
-    "hf_fastpath.attention.lowbit",
     "hf_fastpath.integrations.context_parallel",
     "hf_fastpath.integrations.transformers_quantizer",
     "hf_fastpath.integrations.peft",
@@ -38,6 +37,8 @@ _LAZY = {
     "LowBitCache": "hf_fastpath.integrations.lowbit_cache",
     "register_attention_variant": "hf_fastpath.integrations.transformers_attention",
     "describe_backends": "hf_fastpath.attention.backends",
+    "fp8_attention": "hf_fastpath.attention.lowbit",
+    "fp4_attention": "hf_fastpath.attention.lowbit",
 }
 
 

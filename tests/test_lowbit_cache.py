@@ -71,7 +71,6 @@ def test_decode_steps_with_lowbit_cache(fmt, attn, packed, monkeypatch):
     """Prefill then teacher-forced decode steps: logits close to eager attention on a bf16-exact cache."""
     import hf_fastpath  # noqa: F401  (registers the attention names)
 
-    lowbit.register()
     calls = []
     real = lowbit._packed_decode
     monkeypatch.setattr(lowbit, "_packed_decode", lambda *a: calls.append(1) or real(*a))
@@ -96,7 +95,6 @@ def test_decode_steps_with_lowbit_cache(fmt, attn, packed, monkeypatch):
 def test_generate_accepts_lowbit_cache():
     import hf_fastpath  # noqa: F401
 
-    lowbit.register()
     model = tiny_model("llama", "fastpath_fp8", hidden_size=128)
     cache = LowBitCache("nvfp4", packed_decode=True)
     out = model.generate(torch.randint(1, 128, (1, 6)), max_new_tokens=4, do_sample=False, past_key_values=cache)

@@ -23,7 +23,7 @@ from . import interface
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fp8_attention", "fp4_attention", "lowbit_attention", "quantize_for_attention", "register"]
+__all__ = ["fp8_attention", "fp4_attention", "lowbit_attention", "quantize_for_attention"]
 
 _WARNED: set[str] = set()
 
@@ -220,12 +220,3 @@ def fp4_attention(q, k, v, *, fmt="mxfp4", **kwargs):
     if fmt not in ("mxfp4", "nvfp4"):
         raise ValueError(f"fp4_attention takes fmt='mxfp4' or 'nvfp4', got {fmt!r}")
     return lowbit_attention(q, k, v, fmt=fmt, **kwargs)
-
-
-def register() -> None:
-    """Register `fastpath_fp8` and `fastpath_fp4` (MXFP4) with Transformers. Idempotent."""
-    from ..integrations.transformers_attention import VARIANTS, register_attention_variant
-
-    for name, fn in (("fastpath_fp8", fp8_attention), ("fastpath_fp4", fp4_attention)):
-        if name not in VARIANTS:
-            register_attention_variant(name, fn)

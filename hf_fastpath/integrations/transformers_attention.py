@@ -454,7 +454,11 @@ def _builtin_kernel(backend: str):
 
 
 def register() -> None:
-    """Register the built-in `fastpath*` names. Safe to call more than once."""
-    for name, backend in _BUILTIN_VARIANTS.items():
+    """Register the built-in `fastpath*` names, low-bit ones included. Safe to call more than once."""
+    from ..attention.lowbit import fp4_attention, fp8_attention
+
+    kernels = {name: _builtin_kernel(backend) for name, backend in _BUILTIN_VARIANTS.items()}
+    kernels.update(fastpath_fp8=fp8_attention, fastpath_fp4=fp4_attention)
+    for name, kernel in kernels.items():
         if name not in VARIANTS:
-            register_attention_variant(name, _builtin_kernel(backend))
+            register_attention_variant(name, kernel)
