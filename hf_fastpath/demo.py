@@ -8,7 +8,6 @@ asymmetric (zero points): on this model that is clearly better than a symmetric 
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 

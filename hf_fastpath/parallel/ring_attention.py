@@ -24,7 +24,6 @@ Packed batches (`cu_seqlens` of the global batch) use the variable-length kernel
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -35,9 +34,6 @@ from ..attention.interface import attention_backward, attention_forward
 from .zigzag import check_zigzag_lengths, group_size_and_rank
 
 __all__ = ["ring_attention"]
-
-logger = logging.getLogger(__name__)
-_BACKENDS_WITHOUT_OUT_DTYPE: set[str] = set()  # device types whose forward cannot return fp32 block outputs
 
 
 @dataclass
@@ -193,18 +189,8 @@ def merge_partials(out, lse, b_out, b_lse, packed: bool = False):
 
 
 def _block_forward(q, k, v, acc: torch.dtype, **kw):
-    """One block's (out, lse), out in the accumulator dtype when the backend can write it directly (no bf16
-    rounding of the partial result before the merge); otherwise in q's dtype, merged in `acc` all the same."""
-    if q.dtype != acc and q.device.type not in _BACKENDS_WITHOUT_OUT_DTYPE:
-        try:
-            return attention_forward(q, k, v, out_dtype=acc, **kw)
-        except TypeError as e:
-            if "out_dtype" not in str(e):
-                raise
-            _BACKENDS_WITHOUT_OUT_DTYPE.add(q.device.type)
-            logger.info("The %s attention backend has no out_dtype: ring blocks are rounded to %s before the fp32 "
-                        "merge.", q.device.type, q.dtype)
-    return attention_forward(q, k, v, **kw)
+    """One block's (out, lse), out written in the accumulator dtype: no bf16 rounding of partials before the merge."""
+    return attention_forward(q, k, v, out_dtype=acc, **kw)
 
 
 def _forward(q, k, v, plan: _Plan):
