@@ -41,8 +41,7 @@ def test_single_block_equals_emulation(fmt, p_fp4, causal):
 @pytest.mark.parametrize("causal,sq,sk,h,hkv,d", [(True, 70, 70, 2, 1, 64), (False, 33, 90, 2, 2, 32),
                                                   (True, 20, 77, 4, 2, 96)])
 def test_kernel_against_emulation_and_exact(fmt, p_fp4, causal, sq, sk, h, hkv, d):
-    if fmt != "fp8" and d % lq.BLOCK[fmt]:
-        pytest.skip("head dim not a multiple of the FP4 block")
+    assert d % lq.BLOCK.get(fmt, 1) == 0, "every head dim above is a multiple of the FP4 blocks"
     q, k, v = torch.randn(sq, h, d), torch.randn(sk, hkv, d), torch.randn(sk, hkv, d)
     out, lse = _kernel(q, k, v, fmt, p_fp4, causal)
     eo, el = kla.lowbit_attention_emulated(q, k, v, fmt=fmt, causal=causal, p_fp4=p_fp4)
