@@ -172,6 +172,31 @@ def test_lora_gradients_through_triton_kernels(monkeypatch, use_dora):
         assert_close_rel(gq[name], gr[name], 3e-2, name)
 
 
+@pytest.mark.parametrize("lora_bias", [False, True], ids=["fused", "lora_bias"])
+def test_lora_in_bf16_matches_float32_with_fp32_adapter_grads(lora_bias):
+    """bf16 activations: the adapter product runs in bf16 (fused addmm; PEFT's arithmetic when lora_B has a bias), the
+    adapter weights and their gradients stay fp32, and output / gradients match the float32 reference."""
+    up = random_w4a16(64, 40, 32, torch.bfloat16, seed=0)
+    down = random_w4a16(40, 24, 8, torch.bfloat16, bias=False, seed=1)
+    quant, ref = MLP(up, down), MLP(float_twin(up), float_twin(down))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"], lora_bias=lora_bias)
+    torch.manual_seed(0)
+    quant = get_peft_model(quant, copy.deepcopy(config))
+    torch.manual_seed(0)
+    ref = get_peft_model(ref, copy.deepcopy(config))
+    randomize_adapters(quant)
+    randomize_adapters(ref)
+    adapters = [p for n, p in quant.named_parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    yq, yr, gxq, gxr, gq, gr = run_pair(quant, ref, torch.bfloat16)
+    assert all(p.grad.dtype == torch.float32 for p in adapters)
+    assert_close_rel(yq, yr, 2e-2, "output")
+    assert_close_rel(gxq, gxr, 3e-2, "input gradient")
+    assert set(gq) == set(gr) and len(gq) == (6 if lora_bias else 4)
+    for name in gr:
+        assert_close_rel(gq[name], gr[name], 3e-2, name)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # models: all-linear, save / reload, merge
 

@@ -18,7 +18,9 @@ What `register()` changes in PEFT (idempotent, nothing else is touched):
 The LoRA path: y = W4A16Linear(x) + scaling * B(A(dropout(x))). The base layer runs the Triton W4A16 kernel forward
 and its input-gradient kernel backward (dx = dy @ W^T from the packed weight), so no dequantized weight is ever kept
 between forward and backward. Its input is cast to the layer's compute dtype (fp16/bf16), so fp32 activations (e.g.
-from PEFT's `prepare_model_for_kbit_training`, which up-casts AWQ models) still reach the kernel.
+from PEFT's `prepare_model_for_kbit_training`, which up-casts AWQ models) still reach the kernel. The adapter product
+runs in that compute dtype too, accumulated onto the base output in one GEMM (`_add_lora`); the adapter weights and
+their gradients keep PEFT's dtype (fp32).
 
 DoRA (`use_dora=True`) is supported without dequantizing per step: the row norms ||W + s·B·A|| come from
 ||W||² (computed once per layer), the 4-bit matmul A @ W (r rows through the same kernel) and B·(A·Aᵀ)·Bᵀ.
@@ -148,6 +150,26 @@ class W4A16DoraVariant(LoraVariant):
 # the LoRA layer
 
 
+def _add_lora(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dropout: nn.Module,
+              scaling: float) -> torch.Tensor:
+    """result + scaling * dropout(x) @ a.T @ b.T, in result's dtype (the activations' 16-bit dtype in training).
+
+    PEFT's own arithmetic runs in the adapter dtype (fp32 by default): it casts x to fp32, writes the [M, N] LoRA
+    output in fp32, scales it, adds it (promoting the sum to fp32) and casts back — about 28 bytes of memory traffic
+    per output element, as much as the 4-bit matmul itself at training sizes. Here the adapter weights are cast
+    instead (r x (K + N) values), `scaling` multiplies the [M, r] rank-r product, and the B product accumulates onto
+    `result` inside one GEMM (addmm): ~8 bytes per output element. The adapter weights and their gradients stay in
+    their own dtype (fp32): the same arithmetic as training under bf16 autocast. (Not in place: the base output can be
+    a view made inside the W4A16 autograd function, which autograd forbids modifying in place.)
+    """
+    dtype = result.dtype
+    x = dropout(x if x.dtype == dtype else x.to(dtype))
+    h = nn.functional.linear(x, a.to(dtype)) * scaling  # [..., r]
+    out_features = result.shape[-1]
+    out = torch.addmm(result.reshape(-1, out_features), h.reshape(-1, h.shape[-1]), b.to(dtype).t())
+    return out.view(result.shape)
+
+
 class W4A16LoraLinear(nn.Module, LoraLayer):
     """LoRA adapters around a frozen `W4A16Linear` (see the module docstring)."""
 
@@ -212,12 +234,15 @@ class W4A16LoraLinear(nn.Module, LoraLayer):
         for adapter in self.active_adapters:
             if adapter not in self.lora_A:
                 continue
-            lora_A = self.lora_A[adapter]
-            x_lora = self._cast_input_dtype(x, lora_A.weight.dtype)
+            lora_A, lora_B = self.lora_A[adapter], self.lora_B[adapter]
+            dropout, scaling = self.lora_dropout[adapter], self.scaling[adapter]
             if adapter in self.lora_variant:
+                x_lora = self._cast_input_dtype(x, lora_A.weight.dtype)
                 result = self.lora_variant[adapter].forward(self, active_adapter=adapter, x=x_lora, result=result)
-            else:
-                lora_B, dropout, scaling = self.lora_B[adapter], self.lora_dropout[adapter], self.scaling[adapter]
+            elif lora_B.bias is None and isinstance(lora_A, nn.Linear) and isinstance(lora_B, nn.Linear):
+                result = _add_lora(result, x, lora_A.weight, lora_B.weight, dropout, scaling)
+            else:  # lora_bias=True: PEFT's arithmetic
+                x_lora = self._cast_input_dtype(x, lora_A.weight.dtype)
                 result = result + lora_B(lora_A(dropout(x_lora))) * scaling
         return result.to(result_dtype)
 
