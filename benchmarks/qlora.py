@@ -1,25 +1,35 @@
 """QLoRA training benchmark (GPU): tokens/s and peak memory of one LoRA training step at sequence 2048.
 
-    python benchmarks/qlora.py                    # -> benchmarks/results/qlora.json and qlora.png
+    python benchmarks/qlora.py                    # -> benchmarks/results/qlora.json and qlora.png ($OUT if set)
     python benchmarks/qlora.py --plot FILE.json   # redraw the PNG (no GPU needed)
+    TRITON_INTERPRET=1 python benchmarks/qlora.py --smoke   # the whole flow on the CPU, tiny shape (~2 minutes)
+    python benchmarks/qlora.py --save-random smollm2-135m DIR  # a random model for examples/qlora_finetune.py
 
-Three ways to fine-tune the same randomly initialised Llama-shaped model (random weights: same shapes, same speed),
-all with PEFT LoRA r=16 on every linear, gradient checkpointing, AdamW, batch 1 x 2048 tokens, bf16:
-  bf16_lora       peer: bf16 base weights, SDPA attention (plain LoRA)
-  dequant_qlora   peer: 4-bit base weights dequantized for every matmul, forward and again in backward (the way
-                  bitsandbytes / gptqmodel train; the dequantization itself uses hf_fastpath's fast Triton kernel and
-                  the matmul cuBLAS), SDPA attention
-  fastpath_qlora  hf_fastpath: W4A16Linear on the Triton W4A16 kernels (forward, input gradient), W4A16LoraLinear,
-                  `fastpath` attention
-The 4-bit weights come from RTN (group 128) of the bf16 model, on the GPU. Models: SmolLM2-135M shape and Llama-3-8B
-shape. Step time: median of `triton.testing.do_bench` over whole training steps (forward, backward, optimizer).
-Peak memory: torch.cuda.max_memory_allocated over one step, the model included. Correctness: the two QLoRA variants
-compute the same loss and LoRA gradients (checked before timing).
+The same randomly initialised Llama-shaped model (random weights: same shapes, same speed) is fine-tuned four ways,
+all with PEFT LoRA r=16 alpha=32 on every linear (same seed, same initial adapters), gradient checkpointing
+(non-reentrant, through `prepare_model_for_qlora`, so fp32 norms everywhere), AdamW, batch 1 x 2048 tokens, bf16:
+  bf16_lora           peer: bf16 base weights, PEFT's LoRA layer, SDPA attention
+  dequant_qlora       peer: 4-bit base weights dequantized for every matmul, in the forward and again in the
+                      backward (the way bitsandbytes / gptqmodel train; the dequantization itself is hf_fastpath's
+                      Triton kernel, the matmul cuBLAS), PEFT's GPTQ LoRA arithmetic, SDPA attention
+  fastpath_qlora      hf_fastpath: W4A16Linear (Triton W4A16 kernels; at training sizes they dequantize into a
+                      scratch tile and call cuBLAS), W4A16LoraLinear, `fastpath` attention
+  fastpath_qlora_sdpa the same with SDPA attention (ablation: the linear layers alone)
+Two precision modes, each variant in both: `autocast` (forward and loss under torch.autocast(bfloat16), what
+`Trainer(bf16=True)` does; the peers' LoRA products then run in bf16) and `plain` (no autocast, like
+examples/qlora_finetune.py; PEFT's LoRA products run in the fp32 adapter dtype). The headline is `autocast`.
+The 4-bit weights come from RTN of the bf16 model on the GPU (asymmetric; group 128, group 64 for SmolLM2's 576-wide
+layers, which 128 does not divide). Models: SmolLM2-135M shape and Llama-3-8B shape (bf16 LoRA needs ~20 GiB there).
+Step time: median of `triton.testing.do_bench` over whole training steps (forward, backward, optimizer), after an
+untimed warm-up step. Peak memory: torch.cuda.max_memory_allocated over one step after a reset, model, adapters and
+AdamW state included; `resident_gib` is what stays allocated between steps. Correctness: the 4-bit variants compute
+the same loss and LoRA gradients (checked before timing, reported as relative differences).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,16 +48,24 @@ SHAPES = {
                          num_hidden_layers=30, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       num_hidden_layers=32, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
-    # a CPU dry run of this script (TRITON_INTERPRET=1 python benchmarks/qlora.py --dry-run)
+    # --smoke: the whole flow on the CPU (TRITON_INTERPRET=1)
     "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                  num_hidden_layers=2, vocab_size=256, tie_word_embeddings=False),
 }
+GROUP_SIZE = {"smollm2-135m": 64, "llama3-8b": 128, "tiny": 64}  # must divide every in_features (kernel path)
+VARIANTS = ("bf16_lora", "dequant_qlora", "fastpath_qlora", "fastpath_qlora_sdpa")
+MODES = ("autocast", "plain")
+HEADLINE_MODE = "autocast"
 DEVICE = "cuda"
-GROUP = 128
 
 
 def log(*a):
     print(*a, flush=True)
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -62,7 +80,7 @@ class _DequantMatmul(torch.autograd.Function):
         from hf_fastpath.kernels.w4a16 import w4a16_dequantize
 
         ctx.layer = layer
-        w = w4a16_dequantize(layer.qweight, layer.scales, layer.zeros, layer._effective_group_size)
+        w = w4a16_dequantize(layer.qweight, layer.scales, layer.zeros, layer._effective_group_size, x.dtype)
         return x @ w
 
     @staticmethod
@@ -70,16 +88,51 @@ class _DequantMatmul(torch.autograd.Function):
         from hf_fastpath.kernels.w4a16 import w4a16_dequantize
 
         layer = ctx.layer
-        w = w4a16_dequantize(layer.qweight, layer.scales, layer.zeros, layer._effective_group_size)
+        w = w4a16_dequantize(layer.qweight, layer.scales, layer.zeros, layer._effective_group_size, dy.dtype)
         return dy @ w.t(), None
 
 
 def dequant_forward(self, x):
+    """W4A16Linear.forward of the peer (sorted-group layers, as RTN makes them)."""
     lead = x.shape[:-1]
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     y = _DequantMatmul.apply(x.reshape(-1, self.in_features), self)
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*lead, self.out_features)
+
+
+def peft_gptq_lora_forward(self, x, *args, **kwargs):
+    """PEFT's LoRA arithmetic for GPTQ layers (peft/tuners/lora/gptq.py): x cast to the adapter dtype, the [M, N]
+    adapter output computed, scaled and added in that dtype, the sum cast back."""
+    result = self.base_layer(x)
+    for adapter in self.active_adapters:
+        if adapter not in self.lora_A:
+            continue
+        result_dtype = result.dtype
+        lora_A, lora_B = self.lora_A[adapter], self.lora_B[adapter]
+        x = self._cast_input_dtype(x, lora_A.weight.dtype)
+        result = result + lora_B(lora_A(self.lora_dropout[adapter](x))) * self.scaling[adapter]
+        result = result.to(result_dtype)
+    return result
+
+
+@contextlib.contextmanager
+def variant_code(variant):
+    """Swap in the peer's layer code for the block (the fastpath variants run the library as it is)."""
+    from hf_fastpath.integrations.peft import W4A16LoraLinear
+    from hf_fastpath.quantization.linear import W4A16Linear
+
+    if variant != "dequant_qlora":
+        yield
+        return
+    saved = W4A16Linear.forward, W4A16LoraLinear.forward
+    W4A16Linear.forward, W4A16LoraLinear.forward = dequant_forward, peft_gptq_lora_forward
+    try:
+        yield
+    finally:
+        W4A16Linear.forward, W4A16LoraLinear.forward = saved
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -93,6 +146,10 @@ def set_attention(model, name):
         model.config._attn_implementation = name
 
 
+def attention_of(variant):
+    return "fastpath" if variant == "fastpath_qlora" else "sdpa"
+
+
 def make_peft(model, seed=0):
     from peft import LoraConfig, get_peft_model
 
@@ -101,72 +158,104 @@ def make_peft(model, seed=0):
     return get_peft_model(model, config)
 
 
-def train_step_fn(model, ids):
+def loss_of(model, ids, mode):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=mode == "autocast"):
+        return model(input_ids=ids, labels=ids).loss
+
+
+def train_step_fn(model, ids, mode):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_of(model, ids, mode)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step
+    return step, opt
 
 
-def measure(model, ids, label, rep_ms):
+def measure(model, ids, label, mode, rep_ms):
     import triton
 
-    step = train_step_fn(model, ids)
-    step()  # compile / autotune outside the timing
-    if DEVICE == "cpu":  # dry run: check that everything runs
+    step, opt = train_step_fn(model, ids, mode)
+    step()  # kernels compiled / autotuned, AdamW state allocated: outside the timing
+    if DEVICE == "cpu":  # smoke run: everything runs; the figures mean nothing
         t0 = time.perf_counter()
-        step()
+        loss = step()
         ms = (time.perf_counter() - t0) * 1e3
-        log(f"  {label:15s} {ms:8.1f} ms/step (CPU dry run)")
-        return {"step_ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": 1.0}
-    torch.cuda.synchronize()
+        log(f"  {label:20s} {mode:8s} {ms:8.1f} ms/step (CPU smoke run), loss {loss.item():.3f}")
+        return {"step_ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": 0.0, "resident_gib": 0.0,
+                "loss": loss.item()}
+    sync()
     torch.cuda.empty_cache()
+    resident = torch.cuda.memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
+    loss = step()
+    sync()
     peak = torch.cuda.max_memory_allocated() / 2**30
     ms = triton.testing.do_bench(step, warmup=max(200, rep_ms // 4), rep=rep_ms, return_mode="median")
-    tokens = ids.numel()
-    out = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "peak_gib": peak}
-    log(f"  {label:15s} {ms:8.1f} ms/step  {out['tokens_per_s']:10,.0f} tokens/s  peak {peak:6.2f} GiB")
+    out = {"step_ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak, "resident_gib": resident,
+           "loss": loss.item()}
+    log(f"  {label:20s} {mode:8s} {ms:8.1f} ms/step  {out['tokens_per_s']:10,.0f} tokens/s  peak {peak:6.2f} GiB"
+        f"  resident {resident:6.2f} GiB")
+    del step, opt
     return out
 
 
 def lora_grads(model):
-    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+            if p.requires_grad and p.grad is not None}
 
 
-def check_same(model, ids, use_peer):
-    """Loss and LoRA gradients of the fastpath QLoRA vs the dequantize peer on the same model and adapter."""
+def check_same(peft_model, ids, mode):
+    """Loss and LoRA gradients of every 4-bit variant vs the dequantize peer (same model, same adapters)."""
+    results = {}
+    for variant in VARIANTS[1:]:
+        set_attention(peft_model.get_base_model(), attention_of(variant))
+        with variant_code(variant):
+            peft_model.zero_grad(set_to_none=True)
+            loss = loss_of(peft_model, ids, mode)
+            loss.backward()
+            results[variant] = (loss.item(), lora_grads(peft_model))
+    peft_model.zero_grad(set_to_none=True)
+    loss_ref, g_ref = results["dequant_qlora"]
+    out = {"loss_dequant_qlora": loss_ref}
+    for variant in VARIANTS[2:]:
+        loss, g = results[variant]
+        rel = max(((g[n] - g_ref[n]).norm() / g_ref[n].norm().clamp_min(1e-30)).item() for n in g_ref)
+        out[f"loss_{variant}"] = loss
+        out[f"max_rel_grad_diff_{variant}"] = rel
+    return out
+
+
+def dequantize_time(model, rep_ms):
+    """ms to dequantize every 4-bit layer once (layer 0's linears timed, times the number of layers): what the
+    dequantize-then-matmul path pays per pass (forward, recomputed forward, backward)."""
+    import triton
+
+    from hf_fastpath.kernels.w4a16 import w4a16_dequantize
     from hf_fastpath.quantization.linear import W4A16Linear
 
-    results = []
-    original = W4A16Linear.forward
-    for peer in (True, False):
-        if peer:
-            W4A16Linear.forward = dequant_forward
-        try:
-            use_peer(peer)
-            model.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            results.append((loss.item(), lora_grads(model)))
-        finally:
-            W4A16Linear.forward = original
-    model.zero_grad(set_to_none=True)
-    (l_peer, g_peer), (l_fast, g_fast) = results
-    rel = max(((g_fast[n] - g_peer[n]).norm() / g_peer[n].norm().clamp_min(1e-30)).item() for n in g_peer)
-    return {"loss_peer": l_peer, "loss_fastpath": l_fast, "max_rel_grad_diff": rel}
+    layers = model.model.layers
+    linears = [m for m in layers[0].modules() if isinstance(m, W4A16Linear)]
+
+    def one_layer():
+        for m in linears:
+            w4a16_dequantize(m.qweight, m.scales, m.zeros, m._effective_group_size)
+
+    return triton.testing.do_bench(one_layer, rep=max(100, rep_ms // 10), return_mode="median") * len(layers)
 
 
-def bench_shape(name, seq, rep_ms):
+def quiet(logger_name):
+    import logging
+
+    logging.getLogger(logger_name).setLevel(logging.ERROR)
+
+
+def bench_shape(name, seq, rep_ms, modes):
     import transformers
 
     from hf_fastpath.quantization.calibrate import quantize_model
@@ -183,49 +272,52 @@ def bench_shape(name, seq, rep_ms):
     log(f"{name}: {params / 1e9:.2f}B parameters, built in {time.perf_counter() - t0:.1f} s")
     g = torch.Generator(device=DEVICE).manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, seq), device=DEVICE, generator=g)
-    result = {"parameters": params, "seq_len": seq, "batch": 1}
+    result = {"parameters": params, "seq_len": seq, "batch": 1, "group_size": GROUP_SIZE[name],
+              **{mode: {} for mode in modes}}
 
-    prepare_model_for_qlora(model)
+    quiet("hf_fastpath.quantization.training")  # "no W4A16Linear layer": expected for the bf16 peer
+    prepare_model_for_qlora(model)  # the same checkpointing and fp32 norms for every variant
     peft_model = make_peft(model)
-    result["bf16_lora"] = measure(peft_model, ids, "bf16_lora", rep_ms)
+    for mode in modes:
+        result[mode]["bf16_lora"] = measure(peft_model, ids, "bf16_lora", mode, rep_ms)
     model = peft_model.unload()
     del peft_model
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
     t0 = time.perf_counter()
-    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=GROUP, sym=False))
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=GROUP_SIZE[name], sym=False))
+    sync()
     result["rtn_seconds"] = time.perf_counter() - t0
     result["quantized_linears"] = sum(isinstance(m, W4A16Linear) for m in model.modules())
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        result["allocated_after_rtn_gib"] = torch.cuda.memory_allocated() / 2**30
+        result["dequantize_all_layers_ms"] = dequantize_time(model, rep_ms)
+        log(f"  RTN {result['rtn_seconds']:.1f} s; allocated {result['allocated_after_rtn_gib']:.2f} GiB; one "
+            f"dequantization of every 4-bit layer {result['dequantize_all_layers_ms']:.2f} ms")
     peft_model = make_peft(model)
     peft_model.train()
-
-    def use_peer(peer):
-        set_attention(peft_model.get_base_model(), "sdpa" if peer else "fastpath")
-
-    result["check"] = check_same(peft_model, ids, use_peer)
-    log(f"  check: {result['check']}")
-    original = W4A16Linear.forward
-    W4A16Linear.forward = dequant_forward
-    try:
-        use_peer(True)
-        result["dequant_qlora"] = measure(peft_model, ids, "dequant_qlora", rep_ms)
-    finally:
-        W4A16Linear.forward = original
-    use_peer(False)
-    result["fastpath_qlora"] = measure(peft_model, ids, "fastpath_qlora", rep_ms)
-    f, d, b = result["fastpath_qlora"], result["dequant_qlora"], result["bf16_lora"]
-    result["ratios"] = {
-        "throughput_vs_dequant_qlora": f["tokens_per_s"] / d["tokens_per_s"],
-        "throughput_vs_bf16_lora": f["tokens_per_s"] / b["tokens_per_s"],
-        "memory_vs_bf16_lora": f["peak_gib"] / b["peak_gib"],
-        "memory_vs_dequant_qlora": f["peak_gib"] / d["peak_gib"],
-    }
-    log(f"  ratios: {result['ratios']}")
+    result["check"] = check_same(peft_model, ids, modes[0])
+    log(f"  check ({modes[0]}): {result['check']}")
+    for mode in modes:
+        for variant in VARIANTS[1:]:
+            set_attention(peft_model.get_base_model(), attention_of(variant))
+            with variant_code(variant):
+                result[mode][variant] = measure(peft_model, ids, variant, mode, rep_ms)
+        r = result[mode]
+        f, d, b = r["fastpath_qlora"], r["dequant_qlora"], r["bf16_lora"]
+        r["ratios"] = {
+            "throughput_vs_dequant_qlora": f["tokens_per_s"] / d["tokens_per_s"],
+            "throughput_vs_bf16_lora": f["tokens_per_s"] / b["tokens_per_s"],
+            "memory_vs_bf16_lora": f["peak_gib"] / max(b["peak_gib"], 1e-9),
+            "memory_vs_dequant_qlora": f["peak_gib"] / max(d["peak_gib"], 1e-9),
+            "sdpa_ablation_throughput_vs_dequant_qlora": r["fastpath_qlora_sdpa"]["tokens_per_s"] / d["tokens_per_s"],
+        }
+        log(f"  ratios ({mode}): " + ", ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
     del peft_model, model
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
@@ -234,14 +326,17 @@ def run(args):
     import transformers
     import triton
 
+    import hf_fastpath  # noqa: F401  (registers the attention and the PEFT mapping)
+
     results = {
         "what": "LoRA training step (r=16, all-linear, grad checkpointing, AdamW), batch 1 x seq tokens, bf16",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU dry run",
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run",
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                      "peft": peft.__version__, "python": platform.python_version(), "cuda": torch.version.cuda},
         "targets": {"memory_vs_bf16_lora_large": "<= 0.35", "throughput_vs_dequant_qlora": ">= 1.5",
                     "throughput_vs_bf16_lora": ">= 1.0"},
+        "modes": list(args.modes), "headline_mode": args.modes[0], "variants": list(VARIANTS),
         "shapes": {},
     }
     out_dir = os.environ.get("OUT") or RESULTS
@@ -249,12 +344,14 @@ def run(args):
     path = os.path.join(out_dir, "qlora.json")
     for name in args.shapes:
         try:
-            results["shapes"][name] = bench_shape(name, args.seq, args.rep_ms)
+            results["shapes"][name] = bench_shape(name, args.seq, args.rep_ms, args.modes)
         except Exception as error:  # keep the other shape's figures
             import traceback
 
             traceback.print_exc()
             results["shapes"][name] = {"error": f"{type(error).__name__}: {error}"}
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     log(f"wrote {path}")
@@ -267,56 +364,83 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = [s for s, r in results["shapes"].items() if "error" not in r]
-    variants = [("bf16_lora", "bf16 LoRA + SDPA (peer)", "tab:gray"),
-                ("dequant_qlora", "QLoRA dequantize+matmul (peer)", "tab:orange"),
-                ("fastpath_qlora", "hf_fastpath QLoRA", "tab:blue")]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.27
-    for ax, key, title in ((axes[0], "tokens_per_s", "training throughput (tokens/s, higher is better)"),
-                           (axes[1], "peak_gib", "peak GPU memory (GiB, lower is better)")):
-        for i, (v, label, color) in enumerate(variants):
-            vals = [results["shapes"][s][v][key] for s in shapes]
+    mode = results.get("headline_mode", HEADLINE_MODE)
+    shapes = [s for s, r in results["shapes"].items() if "error" not in r and mode in r]
+    labels = {"bf16_lora": ("bf16 LoRA + SDPA (peer)", "tab:gray"),
+              "dequant_qlora": ("QLoRA dequantize+matmul + SDPA (peer)", "tab:orange"),
+              "fastpath_qlora": ("hf_fastpath QLoRA", "tab:blue"),
+              "fastpath_qlora_sdpa": ("hf_fastpath QLoRA, SDPA attention", "tab:cyan")}
+    variants = [v for v in results.get("variants", VARIANTS) if v in labels]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / len(variants)
+    for ax, key, title in ((axes[0], "tokens_per_s", "training throughput (higher is better)"),
+                           (axes[1], "peak_gib", "peak GPU memory (lower is better)")):
+        for i, v in enumerate(variants):
+            label, color = labels[v]
+            vals = [results["shapes"][s][mode][v][key] for s in shapes]
             # normalised to the bf16 LoRA peer so both shapes share an axis; absolute figures on the bars
-            rel = [val / results["shapes"][s]["bf16_lora"][key] for val, s in zip(vals, shapes)]
-            bars = ax.bar([x + (i - 1) * width for x in range(len(shapes))], rel, width, label=label, color=color)
+            rel = [val / max(results["shapes"][s][mode]["bf16_lora"][key], 1e-9) for val, s in zip(vals, shapes)]
+            xs = [x + (i - (len(variants) - 1) / 2) * width for x in range(len(shapes))]
+            bars = ax.bar(xs, rel, width, label=label, color=color)
             for bar, val in zip(bars, vals):
-                ax.annotate(f"{val:,.0f}" if key == "tokens_per_s" else f"{val:.1f}", (bar.get_x() + width / 2,
-                            bar.get_height()), ha="center", va="bottom", fontsize=7)
+                text = f"{val / 1e3:,.1f}k" if key == "tokens_per_s" else f"{val:.1f}"
+                ax.annotate(text, (bar.get_x() + width / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(shapes)
-        ax.set_ylabel("relative to bf16 LoRA")
+        ax.set_ylabel("relative to bf16 LoRA" + (" (labels: tokens/s)" if key == "tokens_per_s" else " (labels: GiB)"))
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8, loc="lower left")
-    fig.suptitle(f"QLoRA step, seq {results['shapes'][shapes[0]]['seq_len'] if shapes else '?'}, {results['gpu']}",
+    axes[1].legend(fontsize=7, loc="upper right")
+    seq = results["shapes"][shapes[0]]["seq_len"] if shapes else "?"
+    fig.suptitle(f"LoRA r=16 training step, batch 1 x {seq} tokens, grad checkpointing, {mode} bf16, {results['gpu']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     log(f"wrote {path}")
 
 
+def save_random(name, path):
+    """A randomly initialised Llama of shape `name`, saved in bf16 (for examples/qlora_finetune.py on a machine
+    without the pretrained weights; same shapes, same speed)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPES[name], max_position_embeddings=4096)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    log(f"saved a random {name}-shaped Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters) "
+        f"to {path}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama3-8b"], choices=list(SHAPES))
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="precision modes; the first is the headline (plot)")
     p.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per variant")
     p.add_argument("--plot", metavar="JSON", help="only redraw the PNG from a result file")
-    p.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU (with TRITON_INTERPRET=1)")
+    p.add_argument("--smoke", "--dry-run", action="store_true", help="tiny shape on the CPU (with TRITON_INTERPRET=1)")
+    p.add_argument("--save-random", nargs=2, metavar=("SHAPE", "DIR"), help="only save a random model of SHAPE to DIR")
     args = p.parse_args()
-    if args.dry_run:
-        global DEVICE
-        DEVICE = "cpu"
-        args.shapes, args.seq = ["tiny"], 32
-        os.environ.setdefault("OUT", "/tmp/qlora_dry_run")
-        run(args)
+    if args.save_random:
+        save_random(*args.save_random)
         return
     if args.plot:
         with open(args.plot) as f:
             plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
         return
+    if args.smoke:
+        global DEVICE
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--smoke runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")
+        DEVICE = "cpu"
+        args.shapes, args.seq = ["tiny"], 32
+        os.environ.setdefault("OUT", "/tmp/qlora_smoke")
+        run(args)
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/qlora.py needs a CUDA GPU (see benchmarks/qlora_convergence.py for the CPU run)")
+        raise SystemExit("benchmarks/qlora.py needs a CUDA GPU (--smoke runs a tiny shape on the CPU)")
     run(args)
 
 
