@@ -117,7 +117,7 @@ def gpu_checks():
     return out
 
 
-def prefill_cases(quick=False):
+def prefill_cases(quick=False, only=None, time_it=True):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -132,6 +132,8 @@ def prefill_cases(quick=False):
     for d in (128, 256):
         for s in (SEQS[:1] if quick else SEQS if d == 128 else SEQS[-1:]):
             for causal in (False, True):
+                if only is not None and (d, causal) != tuple(only):
+                    continue
                 b, h = TOKENS // s, HEADS[d]
                 torch.manual_seed(0)
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -174,6 +176,14 @@ def prefill_cases(quick=False):
                 variants.update({"lowbit_kernel_bf16_mode": kern("bf16"), "fp8_kernel": kern("fp8"),
                                  "fp8_e2e": e2e("fp8"), "mxfp4_kernel": kern("mxfp4"), "mxfp4_e2e": e2e("mxfp4"),
                                  "mxfp4_pfp4_kernel": kern("mxfp4", True), "nvfp4_e2e": e2e("nvfp4")})
+                if not time_it:  # precompiling: one call each
+                    for name, fn in variants.items():
+                        try:
+                            with torch.no_grad():
+                                fn()
+                        except Exception:
+                            pass
+                    continue
                 ref = None
                 try:
                     with torch.no_grad():
@@ -209,47 +219,189 @@ def prefill_cases(quick=False):
     return rows
 
 
-def sweep():
-    """Time candidate (BLOCK_M, BLOCK_N, warps, stages) for the fp8 / bf16-mode kernels, hd 128, 8k, causal+full."""
+SWEEP_CFGS = {128: [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2),
+                    (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
+              256: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)]}
+DECODE_SWEEP = [dict(), dict(waves=8), dict(waves=8, block_n=64), dict(waves=16, block_n=64),
+                dict(waves=8, num_warps=8)]
+
+
+def _sweep_variants():
+    """Every prefill variant the sweep times (hd 128: 16k tokens, 16 heads; hd 256: 16k, 8 heads)."""
+    out = []
+    for d, cfgs in SWEEP_CFGS.items():
+        for cfg in cfgs:
+            for causal in (False, True):
+                out.append(dict(d=d, kind="fp8", cfg=cfg, tma=True, causal=causal))
+            if d == 128:
+                out.append(dict(d=d, kind="fp8_unit_scales", cfg=cfg, tma=True, causal=False))
+        for cfg in cfgs[:2] + cfgs[-2:]:
+            out.append(dict(d=d, kind="bf16", cfg=cfg, tma=True, causal=False))
+        if d == 128:
+            out.append(dict(d=d, kind="fp8", cfg=cfgs[0], tma=False, causal=False))
+            out.append(dict(d=d, kind="fp8", cfg=cfgs[-1], tma=False, causal=False))
+            out.append(dict(d=d, kind="ours_bf16", cfg=None, tma=False, causal=False))
+        out.append(dict(d=d, kind="ours_bf16", cfg=None, tma=True, causal=False))
+    return out
+
+
+def _run_variant(v, time_it=True):
+    """One sweep variant; returns TFLOP/s (or an error string). Without time_it: one call (compiles)."""
+    from hf_fastpath.kernels import flash_attention as fa
     from hf_fastpath.kernels import lowbit_attention as kla
 
-    rows = []
-    s, b, h, d = 16384, 1, 16, 128
+    d, s = v["d"], 16384
+    h, b = HEADS[d], 1
     torch.manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v_ = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
-    q8, qs = kla.quantize_e4m3_rows(q, "fp8")
-    k8, ks = kla.quantize_e4m3_rows(k, "fp8")
-    v8, vs = kla.quantize_e4m3_rows(v, "fp8", transpose=True)
-    vt = kla.transpose_v(v.reshape(-1, h, d))
-    cands = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)]
-    best = {}
-    for lowp in (True, False):
-        for cfg in cands:
-            kla.CONFIG_OVERRIDE[(d, lowp, False)] = cfg
-            for causal in (False,):
-                args = (q8, qs, k8, ks, v8, vs) if lowp else (q.reshape(-1, h, d), None, k.reshape(-1, h, d), None,
-                                                              vt, None)
-                try:
-                    ms = _bench(lambda: kla.lowbit_flash_forward(*args, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                                                 max_seqlen_q=s, causal=causal))
-                    tf = 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
-                except Exception as e:
-                    tf = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(dict(lowp=lowp, config=cfg, causal=causal, tflops=tf))
-                _log("sweep", rows[-1])
-                if isinstance(tf, float) and tf > best.get(lowp, (0, None))[0]:
-                    best[lowp] = (tf, cfg)
-        kla.CONFIG_OVERRIDE.pop((d, lowp, False), None)
-    for lowp, (tf, cfg) in best.items():  # the prefill table below runs with the winners
-        kla.CONFIG_OVERRIDE[(d, lowp, False)] = cfg
-        if lowp:
-            kla.CONFIG_OVERRIDE[(d, True, True)] = cfg
-    _log("sweep winners", best)
-    return dict(rows=rows, winners={str(k): v for k, v in best.items()})
+    kla.USE_TMA = v["tma"]
+    fa.USE_TMA = "auto" if v["tma"] else False
+    try:
+        if v["kind"] == "ours_bf16":
+            fn = lambda: fa.flash_attention_forward(q, k, v_, causal=v["causal"])  # noqa: E731
+        else:
+            lowp = v["kind"] != "bf16"
+            kla.CONFIG_OVERRIDE[(d, lowp, False)] = tuple(v["cfg"])
+            if lowp:
+                (q8, qs), (k8, ks), (vt8, vs) = (kla.quantize_e4m3_rows(x, "fp8", transpose=i == 2)
+                                                 for i, x in enumerate((q, k, v_)))
+                if v["kind"] == "fp8_unit_scales":
+                    qs = ks = vs = None
+                args = (q8, qs, k8, ks, vt8, vs)
+            else:
+                args = (q.reshape(-1, h, d), None, k.reshape(-1, h, d), None, kla.transpose_v(v_.reshape(-1, h, d)),
+                        None)
+            fn = lambda: kla._launch(*args, cu, cu, s, v["causal"], None, False, torch.bfloat16)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        if not time_it:
+            return None
+        ms = _bench(fn)
+        return 4 * b * h * s * s * d / (2 if v["causal"] else 1) / ms / 1e9
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        kla.CONFIG_OVERRIDE.clear()
+        kla.USE_TMA = "auto"
+        fa.USE_TMA = "auto"
 
 
-def decode_cases(quick=False):
+def _decode_variants():
+    return [dict(fmt=fmt, n=n, cfg=cfg) for fmt in ("fp8", "mxfp4", "nvfp4") for cfg in DECODE_SWEEP
+            for n in (32768, 131072)]
+
+
+def _run_decode_variant(v, time_it=True):
+    import triton
+
+    from hf_fastpath.kernels import lowbit_decode as ld
+    from hf_fastpath.kernels import lowbit_quant as lq
+
+    hq, hkv, d, b, n = 32, 8, 128, 1, v["n"]
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, vv = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qk, qv = lq.quantize_rows(k, v["fmt"], check=False), lq.quantize_rows(vv, v["fmt"], check=False)
+    del k, vv
+    kc, vc = (qk.data, qk.scale, qk.block_scale), (qv.data, qv.scale, qv.block_scale)
+    ld.DECODE_CONFIG_OVERRIDE[v["fmt"]] = dict(v["cfg"])
+    try:
+        fn = lambda: ld.lowbit_decode(q, kc, vc, n, fmt=v["fmt"])  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        if not time_it:
+            return None
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        ld.DECODE_CONFIG_OVERRIDE.clear()
+
+
+def _precompile_task(task):
+    """Runs in a worker process: compile (and run once) without timing; Triton's disk cache keeps the binaries."""
+    name, arg, overrides = task
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    try:
+        from hf_fastpath.kernels import lowbit_attention as kla
+        from hf_fastpath.kernels import lowbit_decode as ld
+
+        kla.CONFIG_OVERRIDE.update(overrides.get("prefill", {}))
+        ld.DECODE_CONFIG_OVERRIDE.update(overrides.get("decode", {}))
+        if name == "variant":
+            return _run_variant(arg, time_it=False)
+        if name == "decode_variant":
+            return _run_decode_variant(arg, time_it=False)
+        if name == "prefill":
+            prefill_cases(only=arg, time_it=False)
+        elif name == "decode":
+            decode_cases(time_it=False)
+        elif name == "checks":
+            gpu_checks()
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(tasks, workers=12):
+    """Compile the kernels of `tasks` in parallel processes first: compiling one by one would take most of the
+    (scarce) GPU time of a benchmark run."""
+    import multiprocessing as mp
+    import time
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(workers, len(tasks), os.cpu_count() or 4)) as pool:
+        res = pool.map(_precompile_task, tasks, chunksize=1)
+    errs = [(t[0], t[1], r) for t, r in zip(tasks, res) if r]
+    _log(f"precompiled {len(tasks)} tasks in {time.time() - t0:.0f} s", errs[:5])
+    return errs
+
+
+def sweep():
+    """Time launch configs / TMA / scale work of the prefill kernel and the decode launch settings; the winners
+    (best causal + non-causal sum) are used by the rest of the run."""
+    from hf_fastpath.kernels import lowbit_attention as kla
+    from hf_fastpath.kernels import lowbit_decode as ld
+
+    variants, dvariants = _sweep_variants(), _decode_variants()
+    precompile([("variant", v, {}) for v in variants] + [("decode_variant", v, {}) for v in dvariants])
+    rows = []
+    for v in variants:
+        rows.append(dict(v, tflops=_run_variant(v)))
+        _log("sweep", rows[-1])
+    winners = {}
+    for d in SWEEP_CFGS:
+        for kind in ("fp8", "bf16"):
+            score = {}
+            for r in rows:
+                if r["d"] == d and r["kind"] == kind and r["tma"] and isinstance(r["tflops"], float):
+                    score[tuple(r["cfg"])] = score.get(tuple(r["cfg"]), 0.0) + r["tflops"]
+            if score:
+                best = max(score, key=score.get)
+                winners[f"{d},{kind}"] = best
+                kla.CONFIG_OVERRIDE[(d, kind == "fp8", False)] = best
+                if kind == "fp8":
+                    kla.CONFIG_OVERRIDE[(d, True, True)] = best
+    drows = []
+    for v in dvariants:
+        drows.append(dict(v, us_cudagraph=_run_decode_variant(v)))
+        _log("decode sweep", drows[-1])
+    for fmt in ("fp8", "mxfp4", "nvfp4"):
+        score = {}
+        for r in drows:
+            if r["fmt"] == fmt and isinstance(r["us_cudagraph"], float):
+                key = json.dumps(r["cfg"], sort_keys=True)
+                score[key] = score.get(key, 0.0) + r["us_cudagraph"]
+        if score:
+            best = min(score, key=score.get)
+            winners[f"decode,{fmt}"] = json.loads(best)
+            ld.DECODE_CONFIG_OVERRIDE[fmt] = json.loads(best)
+    _log("sweep winners", winners)
+    return dict(rows=rows, decode_rows=drows, winners=winners)
+
+
+def decode_cases(quick=False, time_it=True):
     import torch.nn.functional as F
 
     from hf_fastpath.kernels import lowbit_decode as ld
@@ -285,6 +437,13 @@ def decode_cases(quick=False):
         for fmt, (kc, vc, bpt) in caches.items():
             variants[f"decode_{fmt}"] = ((lambda kc=kc, vc=vc, fmt=fmt:
                                           ld.lowbit_decode(q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]), bpt)
+        if not time_it:
+            for fn, _ in variants.values():
+                try:
+                    fn()
+                except Exception:
+                    pass
+            continue
         ref = None
         try:
             ref = sdpa().float()
@@ -356,7 +515,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", help="make the PNG from this results JSON and exit")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
+    ap.add_argument("--sweep", action="store_true", help="first time candidate kernel configs; the run uses the best")
+    ap.add_argument("--no-precompile", action="store_true", help="compile in the timing process only")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.plot:
@@ -366,10 +526,18 @@ def main():
     res = dict(env=_env())
     _log(res["env"])
     path = os.path.join(args.out, "lowbit_attention.json")
-    steps = [("checks", gpu_checks), ("decode", decode_cases), ("prefill", prefill_cases)]
+    steps = [("checks", gpu_checks), ("prefill", prefill_cases), ("decode", decode_cases)]
     if args.sweep:
-        steps.insert(1, ("sweep", sweep))
+        steps.insert(0, ("sweep", sweep))
     for name, fn in steps:
+        if name == "checks" and not args.no_precompile:  # after the sweep: compile with its winners, in parallel
+            from hf_fastpath.kernels import lowbit_attention as kla
+            from hf_fastpath.kernels import lowbit_decode as ld
+
+            over = dict(prefill=dict(kla.CONFIG_OVERRIDE), decode=dict(ld.DECODE_CONFIG_OVERRIDE))
+            tasks = [("checks", None, over), ("decode", None, over)]
+            tasks += [("prefill", (d, c), over) for d in HEADS for c in (False, True)]
+            res["precompile_errors"] = precompile(tasks)
         try:
             res[name] = fn() if name in ("checks", "sweep") else fn(args.quick)
         except Exception as e:

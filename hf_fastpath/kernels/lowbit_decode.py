@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lowbit_attention import interpreting
+from .lowbit_attention import _cdiv, _next_pow2, interpreting
 
 __all__ = ["lowbit_decode", "FMT_CODES"]
 
@@ -84,9 +84,8 @@ def _load_tile(DATA, ROWS, BSC, base_tok, offs_n, n_ok, D: tl.constexpr, FMT: tl
 
 @triton.jit
 def _decode_split_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP, tokens_per_split, qk_scale,
-                         HQ: tl.constexpr, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         EMULATE: tl.constexpr):
+                         NUM_SPLITS, HQ: tl.constexpr, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
@@ -136,7 +135,7 @@ def _decode_split_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CA
 
 
 @triton.jit
-def _combine_kernel(O_PART, L_PART, O, LSE, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _combine_kernel(O_PART, L_PART, O, LSE, NUM_SPLITS, D: tl.constexpr, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)  # b * HQ + hq
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D)
@@ -154,12 +153,22 @@ def _combine_kernel(O_PART, L_PART, O, LSE, D: tl.constexpr, NUM_SPLITS: tl.cons
     tl.store(LSE + row, lse)
 
 
-def _num_splits(programs: int, kv_len: int, block_n: int, device) -> int:
+# Launch settings; benchmarks/lowbit_attention.py --sweep times candidates on the H200. `waves`: programs per SM
+# wanted from the key splits (decode is memory bound: enough loads in flight hide the latency).
+DECODE_CONFIG = {"waves": 2, "min_tokens_per_split": 256, "block_n": None, "num_warps": 4, "num_stages": 3}
+DECODE_CONFIG_OVERRIDE: dict = {}  # fmt -> dict with any of the keys above
+
+
+def _settings(fmt: str) -> dict:
+    return {**DECODE_CONFIG, **DECODE_CONFIG_OVERRIDE.get(fmt, {})}
+
+
+def _num_splits(programs: int, kv_len: int, block_n: int, device, cfg=DECODE_CONFIG) -> int:
     if interpreting() or device.type != "cuda":
-        return max(1, min(4, triton.cdiv(kv_len, block_n)))
+        return max(1, min(4, _cdiv(kv_len, block_n)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, (2 * sms) // max(programs, 1))
-    return max(1, min(want, triton.cdiv(kv_len, 256), 128))
+    want = max(1, int(cfg["waves"] * sms) // max(programs, 1))
+    return max(1, min(want, _cdiv(kv_len, cfg["min_tokens_per_split"]), 256))
 
 
 def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_splits=None, block_n=None):
@@ -177,12 +186,13 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
     code = FMT_CODES[fmt]
     block = {"mxfp4": 32, "nvfp4": 16}.get(fmt, 32)
     g = hq // hkv
-    g_pad = max(16, triton.next_power_of_2(g))
+    g_pad = max(16, _next_pow2(g))
+    cfg = _settings(fmt)
     if block_n is None:
-        block_n = 32 if interpreting() else (64 if d > 128 else 128)
-    splits = num_splits or _num_splits(b * hkv, kv_len, block_n, q.device)
-    per_split = triton.cdiv(triton.cdiv(max(kv_len, 1), splits), block_n) * block_n
-    splits = max(1, triton.cdiv(max(kv_len, 1), per_split))
+        block_n = 32 if interpreting() else (cfg["block_n"] or (64 if d > 128 else 128))
+    splits = num_splits or _num_splits(b * hkv, kv_len, block_n, q.device, cfg)
+    per_split = _cdiv(_cdiv(max(kv_len, 1), splits), block_n) * block_n
+    splits = max(1, _cdiv(max(kv_len, 1), per_split))
     o_part = torch.empty(b * hq * splits, d, dtype=torch.float32, device=q.device)
     l_part = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -191,12 +201,12 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
     _decode_split_kernel[(b * hkv, splits)](
         q, kd, kr if kr is not None else dummy, kb if kb is not None else dummy,
         vd, vr if vr is not None else dummy, vb if vb is not None else dummy,
-        o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E,
-        HQ=hq, HKV=hkv, G_PAD=g_pad, D=d, FMT=code, BLOCK=block, BLOCK_N=block_n, NUM_SPLITS=splits,
-        EMULATE=interpreting(), num_warps=4, num_stages=1 if interpreting() else 3,
+        o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E, splits,
+        HQ=hq, HKV=hkv, G_PAD=g_pad, D=d, FMT=code, BLOCK=block, BLOCK_N=block_n,
+        EMULATE=interpreting(), num_warps=cfg["num_warps"], num_stages=1 if interpreting() else cfg["num_stages"],
     )
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    _combine_kernel[(b * hq,)](o_part, l_part, out, lse, D=d, NUM_SPLITS=splits,
-                               SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    _combine_kernel[(b * hq,)](o_part, l_part, out, lse, splits, D=d,
+                               SPLITS_PAD=max(2, _next_pow2(splits)), num_warps=4)
     return out, lse
