@@ -109,7 +109,7 @@ def time_graph(fns, target_ms=3.0, replays=7):
             f()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up stream: per-stream kernel state is reused
         for i in range(calls):
             fns[i % len(fns)]()
     graph.replay()
@@ -169,6 +169,28 @@ def rel_err(y, ref):
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
 
 
+def check_odd_shapes(K, gen):
+    """The GPU kernels (not the interpreter) on ragged shapes, every group layout and both dtypes."""
+    rows = []
+    for (k, n, group) in [(512, 72, 128), (1024, 1000, 64), (384, 264, 32), (640, 136, 640), (4096, 576, 128)]:
+        for dtype in (torch.bfloat16, torch.float16):
+            qw, s, z = make_weights(k, n, group, dtype, "cuda", gen)
+            w_ref = unpack_reference(qw, s, z, group)
+            gs = -1 if group == k else group
+            for m in (1, 3, 17, 33, 64, 65, 300):
+                x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+                dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
+                err = max(rel_err(K.w4a16_matmul(x, qw, s, z, gs), x.float() @ w_ref),
+                          rel_err(K.w4a16_matmul(x, qw, s, z, gs), x.float() @ w_ref))  # twice: split-K state reset
+                err_b = rel_err(K.w4a16_matmul_grad_input(dy, qw, s, z, gs), dy.float() @ w_ref.t())
+                rows.append(dict(K=k, N=n, group=gs, dtype=str(dtype), M=m, err=err, err_grad_input=err_b))
+    worst = max(max(r["err"], r["err_grad_input"]) for r in rows)
+    log(f"odd-shape check: {len(rows)} cases, worst relative error {worst:.2e}")
+    if worst > 1.5e-2:
+        raise SystemExit(f"odd-shape check FAILED: {[r for r in rows if max(r['err'], r['err_grad_input']) > 1.5e-2]}")
+    return rows
+
+
 def run_main(args):
     K = load_kernels()
 
@@ -181,6 +203,7 @@ def run_main(args):
         timing="CUDA graph of back-to-back calls cycling weight copies (> L2), median of 7 replays, µs per call",
         shapes=[], copy_bandwidth_GBps=None,
     )
+    res["odd_shape_check"] = check_odd_shapes(K, gen)
     bw = copy_bandwidth()
     res["copy_bandwidth_GBps"] = bw
     log(f"device copy bandwidth: {bw:.0f} GB/s")
@@ -259,17 +282,46 @@ def print_table(res):
 
 
 def run_sweep(args):
-    """Launch configurations of the decode kernels, timed like the main benchmark."""
+    """Launch configurations of the decode kernels (tile, warps, stages, split-K), timed like the main benchmark.
+    With --baseline FILE, the same shapes are also timed with that (older) kernel module's own heuristics."""
     K = load_kernels()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1)
     out = dict(gpu=torch.cuda.get_device_name(), triton=__import__("triton").__version__, results=[])
-    fwd16 = [(16, 128, 4, 3, True), (16, 128, 4, 4, True), (16, 64, 4, 3, True), (16, 128, 4, 2, True),
-             (16, 128, 4, 3, False)]
-    fwd64 = [(32, 128, 4, 3, False), (64, 128, 4, 3, False), (32, 64, 4, 3, False), (32, 128, 4, 3, True)]
+    # (BLOCK_M or 0 for the default, BLOCK_N, warps, stages, factored or None for the default)
+    tiles = [(0, bn, w, st, None) for bn, w, st in
+             [(64, 1, 3), (64, 2, 3), (128, 2, 3), (128, 2, 4), (128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3)]]
+    per_sms = (1, 2, 4, 8)
     grads = [(16, 64, 1, 4), (16, 64, 2, 4), (16, 128, 4, 4), (16, 32, 1, 4)]
+    if args.mini:
+        tiles = [(0, 256, 4, 3, None), (0, 256, 4, 4, None), (0, 256, 8, 4, None), (0, 128, 4, 3, None),
+                 (64, 256, 4, 3, False), (64, 256, 8, 3, False), (32, 256, 4, 3, True), (64, 256, 8, 3, True),
+                 (64, 128, 4, 3, False)]
+        per_sms, grads = (1,), [(16, 32, 1, 4), (16, 64, 1, 4)]
+    base = None
+    if args.baseline:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("w4a16_baseline", args.baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     t_start = time.time()
-    for (k, n) in (args.shapes or [SHAPES[1], SHAPES[0]]):
+
+    def record(entry, us_fn, y, r):
+        if time.time() - t_start > args.budget_s:
+            return False
+        try:
+            us_fn(None)
+            entry["err"] = rel_err(y, r)
+            entry["us"] = us_fn("time")
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is data too
+            entry["error"] = repr(exc)[:300]
+        out["results"].append(entry)
+        log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()))
+        return True
+
+    for (k, n) in (args.shapes or [SHAPES[0], SHAPES[1], SHAPES[3]]):
         layer = Layer(k, n, gen, with_peers=False)
         qw, s, z = layer.quant[0]
         w_ref = unpack_reference(qw, s, z, GROUP)
@@ -277,31 +329,48 @@ def run_sweep(args):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref, ref_b = x.float() @ w_ref, dy.float() @ w_ref.t()
-            cands = []
-            for (bm, bn, nw, ns, fac) in (fwd16 if m <= 16 else fwd64):
-                cfg = dict(BLOCK_M=16 if m <= 16 else bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
-                cands.append(("fwd", f"bm{cfg['BLOCK_M']} bn{bn} w{nw} s{ns} f{int(fac)}",
-                              lambda q, y, cfg=cfg, fac=fac: K._decode_matmul(x, *q, GROUP, y, cfg, factored=fac),
-                              (m, n), ref))
-            for (bm, bn, nw, ns) in grads:
-                cfg = dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=bn, num_warps=nw, num_stages=ns)
-                cands.append(("grad", f"bm{cfg['BLOCK_M']} bn{bn} w{nw} s{ns}",
-                              lambda q, y, cfg=cfg: K._decode_grad_input(dy, *q, GROUP, y, cfg), (m, k), ref_b))
-            for kind, name, fn, shape, r in cands:
-                if time.time() - t_start > args.budget_s:
-                    log("sweep budget spent")
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            if base is not None:
+                def fn(mode, base=base):
+                    if mode is None:
+                        y.copy_(base.w4a16_matmul(x, qw, s, z, GROUP))
+                        return None
+                    return time_graph([lambda q=q: base.w4a16_matmul(x, *q, GROUP) for q in layer.quant], replays=5)
+                if not record(dict(K=k, N=n, M=m, kind="baseline"), fn, y, ref):
                     return out
-                y = torch.empty(*shape, device="cuda", dtype=torch.bfloat16)
-                try:
-                    fn(layer.quant[0], y)
-                    err = rel_err(y, r)
-                    us = time_graph([lambda q=q: fn(q, y) for q in layer.quant], replays=5)
-                except Exception as exc:  # noqa: BLE001 - a config that fails to compile is data too
-                    out["results"].append(dict(K=k, N=n, M=m, kind=kind, cfg=name, error=repr(exc)[:300]))
-                    log(f"K={k} N={n} M={m} {kind} {name}: ERROR {repr(exc)[:300]}")
+            for (bm, bn, nw, ns, fac) in tiles:
+                if bm and m <= 16:
                     continue
-                out["results"].append(dict(K=k, N=n, M=m, kind=kind, cfg=name, us=us, err=err))
-                log(f"K={k} N={n} M={m} {kind} {name}: {us:.1f}us err {err:.1e}")
+                bm = bm or (16 if m <= 16 else 32)
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+                n_tiles = -(-n // bn) * -(-m // bm)
+                k_steps = -(-k // 128)
+                for per_sm in per_sms:
+                    split = 1
+                    while n_tiles * split < per_sm * n_sms and k_steps // (split * 2) >= 1:
+                        split *= 2
+                    def fn(mode, cfg=cfg, split=split, fac=fac):
+                        if mode is None:
+                            K._decode_matmul(x, qw, s, z, GROUP, y, cfg, split_k=split, factored=fac)
+                            return None
+                        return time_graph([lambda q=q: K._decode_matmul(x, *q, GROUP, y, cfg, split_k=split,
+                                                                         factored=fac) for q in layer.quant],
+                                          replays=5)
+                    entry = dict(K=k, N=n, M=m, kind="fwd", bm=bm, bn=bn, warps=nw, stages=ns, factored=fac,
+                                 per_sm=per_sm, split=split)
+                    if not record(entry, fn, y, ref):
+                        return out
+            yb = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            for (bm, bn, nw, ns) in (grads if m <= 16 else []):
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+                def fn(mode, cfg=cfg):
+                    if mode is None:
+                        K._decode_grad_input(dy, qw, s, z, GROUP, yb, cfg)
+                        return None
+                    return time_graph([lambda q=q: K._decode_grad_input(dy, *q, GROUP, yb, cfg)
+                                       for q in layer.quant], replays=5)
+                if not record(dict(K=k, N=n, M=m, kind="grad", bn=bn, warps=nw, stages=ns), fn, yb, ref_b):
+                    return out
             if args.out:
                 save(out, args.out)
         del layer
@@ -357,6 +426,8 @@ def main():
     p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="*")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--then-sweep", metavar="JSON", help="after the benchmark, run the sweep into JSON")
+    p.add_argument("--mini", action="store_true", help="sweep: a few candidate configurations only")
+    p.add_argument("--baseline", metavar="PY", help="sweep: also time this older copy of kernels/w4a16.py")
     args = p.parse_args()
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     if args.plot:

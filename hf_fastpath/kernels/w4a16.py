@@ -18,7 +18,8 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     y += s * (x.(bias+q) - (z + bias) * sum(x)). Larger M: weights are dequantized in pairs (q*s - z*s, fma).
   * Large M (> 64): dequantize W once into a scratch tile and call cuBLAS: on an H200 this beat our fused
     tensor-core kernel at every M >= 256 (the fused one is limited by the in-loop dequantization).
-  * Split-K partial sums meet in an fp32 buffer through atomics, then one cast.
+  * Split-K: partial tiles go to an fp32 workspace and the last split of each tile to finish sums them and
+    writes the output (an arrival counter per tile), all in the one launch.
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
 Status (H200, benchmarks/results/w4a16.json): the decode kernel is correct but reaches only ~1 TB/s of weight
@@ -144,6 +145,34 @@ def _deq(w, shift: tl.constexpr, s, nzs, dtype: tl.constexpr):
 
 
 @triton.jit
+def _split8(xk, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
+    """[BLOCK_M, 8 * BLOCK_K8] -> the 8 tiles x[:, 8 i + j]^T, each [BLOCK_K8, BLOCK_M]."""
+    x5 = tl.reshape(xk, (BLOCK_M, BLOCK_K8, 2, 2, 2))  # last three axes: j = 4 a + 2 b + c
+    c0, c1 = tl.split(x5)
+    b0c0, b1c0 = tl.split(c0)
+    b0c1, b1c1 = tl.split(c1)
+    x0, x4 = tl.split(b0c0)
+    x2, x6 = tl.split(b1c0)
+    x1, x5_ = tl.split(b0c1)
+    x3, x7 = tl.split(b1c1)
+    return (tl.trans(x0), tl.trans(x1), tl.trans(x2), tl.trans(x3), tl.trans(x4), tl.trans(x5_), tl.trans(x6),
+            tl.trans(x7))
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, kt, N, K, group_size, n_safe, BLOCK_K: tl.constexpr, PER_ROW_GROUPS: tl.constexpr):
+    """Scales and zeros of K tile kt: [BLOCK_N] (one group per tile) or, for groups smaller than the tile,
+    [BLOCK_N, BLOCK_K // 8] (one group per packed row; group_size % 8 == 0)."""
+    if PER_ROW_GROUPS:
+        rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        g = tl.minimum(rows, K // 8 - 1) * 8 // group_size
+        offs = g[None, :] * N + n_safe[:, None]
+    else:
+        offs = (kt * BLOCK_K // group_size) * N + n_safe
+    return tl.load(s_ptr + offs), tl.load(z_ptr + offs)
+
+
+@triton.jit
 def _dot(a, b, acc, FP32: tl.constexpr):
     if FP32:  # the interpreter's 16-bit dot is wrong; fp32 is exact there
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
@@ -158,13 +187,17 @@ def _dot(a, b, acc, FP32: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, K, stride_xm, stride_om, group_size, tiles_per_split,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_om, group_size, tiles_per_split, n_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FACTORED: tl.constexpr, PER_ROW_GROUPS: tl.constexpr, EVEN_K: tl.constexpr, ATOMIC: tl.constexpr,
-    USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
+    FACTORED: tl.constexpr, PER_ROW_GROUPS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split."""
+    """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split.
+
+    With SPLIT, each split stores its fp32 partial tile in ws [n_splits, M, N]; the last split of a tile to finish
+    (counted in lock[tile], which it resets to 0 for the next call) adds them up and writes out. One launch, no
+    zero-fill and no separate cast kernel: at decode sizes each extra launch costs as much as the matmul."""
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -176,45 +209,43 @@ def _decode_kernel(
     n_mask = offs_n < N
     m_mask = offs_m < M
     # Out-of-range rows/columns read clamped (valid) addresses instead of masking every load; their results are
-    # dropped by the masked store. Only a ragged K tail must be zeroed (in x), which EVEN_K rules out.
-    n_safe = tl.minimum(offs_n, N - 1)
+    # dropped by the masked store. Only a ragged K tail must be zeroed (in x), which EVEN_K rules out. When N is a
+    # multiple of BLOCK_N nothing is clamped: the clamp would hide the columns' contiguity from Triton, which then
+    # loads one 4-byte word per instruction instead of 16 bytes.
+    if EVEN_N:
+        n_safe = offs_n
+    else:
+        n_safe = tl.minimum(offs_n, N - 1)
     m_safe = tl.minimum(offs_m, M - 1)
     n_words = K // 8
     kt_start = pid_k * tiles_per_split
     kt_end = tl.minimum(kt_start + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    xt_ptrs = x_ptr + m_safe[None, :] * stride_xm + offs_i[:, None] * 8  # x^T columns 8 i (+ j below)
+    # x is read as one contiguous [BLOCK_M, BLOCK_K] tile (wide loads, so Triton pipelines them with cp.async like
+    # the weights; strided 2-byte gathers were left as synchronous loads in every iteration) and split in registers
+    # into the 8 column sets x[:, 8 i + j].
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + m_safe[:, None] * stride_xm + offs_k[None, :]
+    # The tile's scales/zeros (2-byte values spread thinly over the threads: too narrow for the cp.async pipeline)
+    # are loaded one iteration ahead by hand so that their latency overlaps the current tile.
+    s_next, z_next = _group_params(s_ptr, z_ptr, kt_start, N, K, group_size, n_safe, BLOCK_K, PER_ROW_GROUPS)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kt in range(kt_start, kt_end):
         k0 = kt * BLOCK_K
         rows = kt * BLOCK_K8 + offs_i
+        s1 = s_next
+        z1 = z_next
+        s_next, z_next = _group_params(s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), N, K, group_size, n_safe,
+                                       BLOCK_K, PER_ROW_GROUPS)
         if EVEN_K:
             w = tl.load(qw_ptr + rows[None, :] * N + n_safe[:, None])
-            xp = xt_ptrs + k0
-            x0 = tl.load(xp)
-            x1 = tl.load(xp + 1)
-            x2 = tl.load(xp + 2)
-            x3 = tl.load(xp + 3)
-            x4 = tl.load(xp + 4)
-            x5 = tl.load(xp + 5)
-            x6 = tl.load(xp + 6)
-            x7 = tl.load(xp + 7)
+            xk = tl.load(x_ptrs + k0)
         else:
-            row_ok = rows < n_words
             w = tl.load(qw_ptr + tl.minimum(rows, n_words - 1)[None, :] * N + n_safe[:, None])
-            xm = row_ok[:, None]
-            xp = xt_ptrs + k0
-            x0 = tl.load(xp, mask=xm, other=0.0)
-            x1 = tl.load(xp + 1, mask=xm, other=0.0)
-            x2 = tl.load(xp + 2, mask=xm, other=0.0)
-            x3 = tl.load(xp + 3, mask=xm, other=0.0)
-            x4 = tl.load(xp + 4, mask=xm, other=0.0)
-            x5 = tl.load(xp + 5, mask=xm, other=0.0)
-            x6 = tl.load(xp + 6, mask=xm, other=0.0)
-            x7 = tl.load(xp + 7, mask=xm, other=0.0)
+            xk = tl.load(x_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xk, BLOCK_M, BLOCK_K8)
         if FACTORED:  # one group per K tile: dot with bias + q, scale once per output
-            g = k0 // group_size
-            s = tl.load(s_ptr + g * N + n_safe).to(tl.float32)
-            z = tl.load(z_ptr + g * N + n_safe).to(tl.float32)
+            s = s1.to(tl.float32)
+            z = z1.to(tl.float32)
             q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, x0, False, USE_PTX)
             part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             part = _dot(q0, x0, part, FP32_DOT)
@@ -234,14 +265,10 @@ def _decode_kernel(
                 zb = z + 1024.0
             acc += s[:, None] * (part - zb[:, None] * xsum[None, :])
         else:
-            if PER_ROW_GROUPS:  # groups smaller than the K tile: one group per packed row (group_size % 8 == 0)
-                g2 = (tl.minimum(rows, n_words - 1) * 8 // group_size)[None, :] * N + n_safe[:, None]
-                s2 = tl.load(s_ptr + g2)
-                z2 = tl.load(z_ptr + g2)
+            if PER_ROW_GROUPS:
+                s2 = s1
+                z2 = z1
             else:
-                g = k0 // group_size
-                s1 = tl.load(s_ptr + g * N + n_safe)
-                z1 = tl.load(z_ptr + g * N + n_safe)
                 s2 = tl.broadcast_to(s1[:, None], (BLOCK_N, BLOCK_K8))
                 z2 = tl.broadcast_to(z1[:, None], (BLOCK_N, BLOCK_K8))
             nzs = (-(z2.to(tl.float32) * s2.to(tl.float32))).to(dtype)
@@ -256,8 +283,17 @@ def _decode_kernel(
             acc = _dot(d7, x7, acc, FP32_DOT)
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = m_mask[None, :] & n_mask[:, None]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    if SPLIT:
+        tile_offs = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptr + pid_k * M * N + tile_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(lock, 1, sem="acq_rel") == n_splits - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for sp in range(0, n_splits):
+                total += tl.load(ws_ptr + sp * M * N + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock, 0, sem="relaxed")
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -418,6 +454,7 @@ def _contiguous(t):
 
 _NUM_SMS: dict = {}
 _PTX_OK: dict = {}
+_LOCKS: dict = {}
 
 
 def _num_sms(device) -> int:
@@ -435,6 +472,21 @@ def _splits(tiles: int, steps: int, n_sms: int, min_steps: int = 2, per_sm: int 
     while tiles * split < per_sm * n_sms and steps // (split * 2) >= min_steps:
         split *= 2
     return split
+
+
+def _split_locks(device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for split-K tiles, one buffer per (device, stream), grown on demand. The
+    kernel leaves every counter at 0 again, so the buffer is reused without a fill; per stream, because kernels
+    on two streams may run at the same time. While a CUDA graph is being captured a new buffer is not cached (it
+    would come from the graph's private memory pool)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _LOCKS[key] = buf
+    return buf
 
 
 def _use_ptx(device, dtype) -> bool:
@@ -464,10 +516,9 @@ def _use_ptx(device, dtype) -> bool:
 def _decode_config(m: int, interpret: bool):
     if interpret:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)
-    # Best of an H200 sweep (benchmarks/results/w4a16_sweep.json): 128 columns, 4 warps.
-    if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4)
+    # H200 sweep (benchmarks/results/w4a16_sweep.json, 2026-11-29): 256 columns, 4 warps, 3 stages was within 2% of
+    # the best configuration of each shape (M = 1, 16, 64 on Llama-3 8B/70B linears).
+    return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -489,17 +540,20 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
     k_steps = triton.cdiv(k, _BLOCK_K)
     if split_k is None:
-        split_k = _splits(n_tiles * m_tiles, k_steps, _num_sms(x2.device))
+        split_k = _splits(n_tiles * m_tiles, k_steps, _num_sms(x2.device), min_steps=1, per_sm=1)
     per_split = triton.cdiv(k_steps, split_k)
     split_k = triton.cdiv(k_steps, per_split)
-    target = out if split_k == 1 else torch.zeros((m, n), device=x2.device, dtype=torch.float32)
-    _decode_kernel[(n_tiles, split_k, m_tiles)](
-        x2, qweight, scales, zeros, target, m, n, k, x2.stride(0), target.stride(0), group_size, per_split,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, FACTORED=factored, PER_ROW_GROUPS=per_row,
-        EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_k > 1, USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split_k > 1:
-        out.copy_(target)
+        ws = torch.empty((split_k, m, n), device=x2.device, dtype=torch.float32)
+        locks = _split_locks(x2.device, n_tiles * m_tiles)
+    else:
+        ws = locks = out  # unused
+    _decode_kernel[(n_tiles, split_k, m_tiles)](
+        x2, qweight, scales, zeros, out, ws, locks, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
+        split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, FACTORED=factored,
+        PER_ROW_GROUPS=per_row, EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1,
+        USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 
