@@ -238,6 +238,9 @@ def _sweep_variants():
         for cfg in cfgs[:2] + cfgs[-2:]:
             out.append(dict(d=d, kind="bf16", cfg=cfg, tma=True, causal=False))
         if d == 128:
+            for cfg in (cfgs[0], cfgs[5]):  # the knobs of the kernel module, on two configs
+                out.append(dict(d=d, kind="fp8", cfg=cfg, tma=True, causal=False, stma=True))
+                out.append(dict(d=d, kind="fp8", cfg=cfg, tma=True, causal=False, pipe=True))
             out.append(dict(d=d, kind="fp8", cfg=cfgs[0], tma=False, causal=False))
             out.append(dict(d=d, kind="fp8", cfg=cfgs[-1], tma=False, causal=False))
             out.append(dict(d=d, kind="ours_bf16", cfg=None, tma=False, causal=False))
@@ -256,6 +259,8 @@ def _run_variant(v, time_it=True):
     q, k, v_ = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
     kla.USE_TMA = v["tma"]
+    kla.SCALE_TMA = v.get("stma", False)
+    kla.PIPELINE_QK = v.get("pipe", False)
     fa.USE_TMA = "auto" if v["tma"] else False
     try:
         if v["kind"] == "ours_bf16":
@@ -283,7 +288,7 @@ def _run_variant(v, time_it=True):
         return f"{type(e).__name__}: {str(e)[:300]}"
     finally:
         kla.CONFIG_OVERRIDE.clear()
-        kla.USE_TMA = "auto"
+        kla.USE_TMA, kla.SCALE_TMA, kla.PIPELINE_QK = "auto", False, False
         fa.USE_TMA = "auto"
 
 
@@ -375,7 +380,8 @@ def sweep():
         for kind in ("fp8", "bf16"):
             score = {}
             for r in rows:
-                if r["d"] == d and r["kind"] == kind and r["tma"] and isinstance(r["tflops"], float):
+                if (r["d"] == d and r["kind"] == kind and r["tma"] and not r.get("stma") and not r.get("pipe")
+                        and isinstance(r["tflops"], float)):
                     score[tuple(r["cfg"])] = score.get(tuple(r["cfg"]), 0.0) + r["tflops"]
             if score:
                 best = max(score, key=score.get)

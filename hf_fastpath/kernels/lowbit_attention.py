@@ -81,43 +81,56 @@ def _round_e4m3_nonneg(x):
 
 
 @triton.jit
-def _attend_block(acc, l_i, m_i, q, qs, lv, K, KS, VT, VS, k_start, k_len, hk, start_n, offs_m, diag, T_K_PAD,
-                  HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOWP: tl.constexpr,
-                  SCALED: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr):
-    """One key block. Per element of the [BLOCK_M, BLOCK_N] tile the FP8 path costs one multiply by the key scale,
-    the row max, one FMA (row scale, max and V normaliser), exp2, the row sum, one multiply by the V scale and the
-    e4m3 cast; nothing in the loop reduces across warps (no block-wide barrier between the two MMAs)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < k_len
-    if USE_TMA:  # bulk tensor copies; rows past the sequence are other tokens or zeros, masked below
+def _k_scores(q, K, k_start, k_len, hk, start_n, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr):
+    """Raw Q.K^T of one key block (K tile by TMA, or pointer loads)."""
+    if USE_TMA:  # rows past the sequence are other tokens or zeros; the caller masks their scores
         k = K.load([k_start + start_n, hk * D])
-        vt = VT.load([hk * D, k_start + start_n])
-        if MASKED and not LOWP:  # a bf16 neighbour could hold inf; quantized values are always finite
-            vt = tl.where(col_ok[None, :], vt, tl.zeros_like(vt))
     else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D_PAD)
         k_ptrs = K + ((k_start + offs_n)[:, None] * HKV + hk) * D + offs_d[None, :]
-        v_ptrs = VT + (hk * D + offs_d)[:, None] * T_K_PAD + (k_start + offs_n)[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=col_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-            vt = tl.load(v_ptrs, mask=(offs_d < D)[:, None] & col_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=(offs_n < k_len)[:, None] & (offs_d < D)[None, :], other=0.0)
         elif D == D_PAD:
             k = tl.load(k_ptrs)
-            vt = tl.load(v_ptrs)
         else:
             k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-            vt = tl.load(v_ptrs, mask=(offs_d < D)[:, None], other=0.0)
     if EMULATE:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _token_scales(S, k_start, k_len, hk, start_n, HKV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  SCALE_TMA: tl.constexpr):
+    """Per-token scales of one key block: `[Hkv, T]` TMA descriptor (no block-wide barrier, unlike cp.async into
+    shared memory) or `[T, Hkv]` pointer loads."""
+    if SCALE_TMA:
+        out = tl.reshape(S.load([hk, k_start + start_n]), (BLOCK_N,))
     else:
-        qk = tl.dot(q, tl.trans(k))
-    if SCALED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
-            ks = tl.load(KS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
+            out = tl.load(S + (k_start + offs_n) * HKV + hk, mask=offs_n < k_len, other=0.0)
         else:
-            ks = tl.load(KS + (k_start + offs_n) * HKV + hk)
-        t = qk * ks[None, :]
+            out = tl.load(S + (k_start + offs_n) * HKV + hk)
+    return out
+
+
+@triton.jit
+def _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk, start_n, offs_m, diag, T_K_PAD,
+                HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOWP: tl.constexpr,
+                SCALED: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr,
+                SCALE_TMA: tl.constexpr):
+    """Online softmax and P.V of one key block, given its raw scores `qk`. Per element of the [BLOCK_M, BLOCK_N]
+    tile the FP8 path costs one multiply by the key scale, the row max, one FMA (row scale, max and V normaliser),
+    exp2, the row sum, one multiply by the V scale and the e4m3 cast: at FP8 MMA rates every extra op shows.
+    Nothing here reduces across warps."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < k_len
+    if SCALED:
+        t = qk * _token_scales(KS, k_start, k_len, hk, start_n, HKV, BLOCK_N, MASKED, SCALE_TMA)[None, :]
     else:
         t = qk
     # scores in the log2 domain are t * qs (qs > 0: the row's Q scale times softmax_scale * log2(e)); the max is
@@ -136,13 +149,22 @@ def _attend_block(acc, l_i, m_i, q, qs, lv, K, KS, VT, VS, k_start, k_len, hk, s
     p = tl.math.exp2(t * qs[:, None] - (m_safe - lv)[:, None])  # = P * 2**lv
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if USE_TMA:
+        vt = VT.load([hk * D, k_start + start_n])
+        if MASKED and not LOWP:  # a bf16 neighbour could hold inf; quantized values are always finite
+            vt = tl.where(col_ok[None, :], vt, tl.zeros_like(vt))
+    else:
+        offs_d = tl.arange(0, D_PAD)
+        v_ptrs = VT + (hk * D + offs_d)[:, None] * T_K_PAD + (k_start + offs_n)[None, :]
+        if MASKED:
+            vt = tl.load(v_ptrs, mask=(offs_d < D)[:, None] & col_ok[None, :], other=0.0)
+        elif D == D_PAD:
+            vt = tl.load(v_ptrs)
+        else:
+            vt = tl.load(v_ptrs, mask=(offs_d < D)[:, None], other=0.0)
     if LOWP:
-        if SCALED:
-            if MASKED:
-                vs = tl.load(VS + (k_start + offs_n) * HKV + hk, mask=col_ok, other=0.0)
-            else:
-                vs = tl.load(VS + (k_start + offs_n) * HKV + hk)
-            p = p * vs[None, :]  # V's scale lies along the contraction: into P, <= 256 by the choice of lv
+        if SCALED:  # V's scale lies along the contraction: into P, <= 256 by the choice of lv
+            p = p * _token_scales(VS, k_start, k_len, hk, start_n, HKV, BLOCK_N, MASKED, SCALE_TMA)[None, :]
         if P_FP4:
             p = _round_p_fp4(p, BLOCK_M, BLOCK_N)
         if EMULATE:
@@ -182,7 +204,8 @@ def _prefix_max_kernel(VS, OUT, CU_K, HKV: tl.constexpr, BLOCK: tl.constexpr):
 def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, qk_scale, T_K_PAD, T_Q,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        CAUSAL: tl.constexpr, LOWP: tl.constexpr, SCALED: tl.constexpr, P_FP4: tl.constexpr,
-                       EMULATE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       EMULATE: tl.constexpr, USE_TMA: tl.constexpr, SCALE_TMA: tl.constexpr, PIPE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) start first: less tail at the end of the grid
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -225,14 +248,31 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, qk_scale,
         hi = tl.maximum(hi, 0)
         full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
         full = tl.minimum(full, hi)
-        for start_n in tl.range(0, full, BLOCK_N):
-            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, qs, lv, K, KS, VT, VS, k_start, k_len, hk, start_n,
-                                          offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                          LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
+        if PIPE:  # Q.K^T of the next block is issued before the softmax of this one: MMA and ALU overlap
+            if full > 0:
+                qk = _k_scores(q, K, k_start, k_len, hk, 0, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
+                for start_n in tl.range(BLOCK_N, full, BLOCK_N):
+                    qk_next = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE,
+                                        USE_TMA)
+                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk,
+                                                start_n - BLOCK_N, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M,
+                                                BLOCK_N, False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA,
+                                                SCALE_TMA)
+                    qk = qk_next
+                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk,
+                                            full - BLOCK_N, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N,
+                                            False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA, SCALE_TMA)
+        else:
+            for start_n in tl.range(0, full, BLOCK_N):
+                qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
+                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk, start_n,
+                                            offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, False, CAUSAL,
+                                            LOWP, SCALED, P_FP4, EMULATE, USE_TMA, SCALE_TMA)
         for start_n in tl.range(full, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, qs, lv, K, KS, VT, VS, k_start, k_len, hk, start_n,
-                                          offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                          LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
+            qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, True, EMULATE, USE_TMA)
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk, start_n,
+                                        offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                        LOWP, SCALED, P_FP4, EMULATE, USE_TMA, SCALE_TMA)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]  # acc and l both carry the factor 2**lv
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe) - lv) * 0.6931471805599453, float("-inf"))
@@ -339,6 +379,8 @@ _CONFIGS = {(128, True): (128, 128, 8, 3), (128, False): (128, 64, 8, 3), (256, 
 CONFIG_OVERRIDE: dict = {}  # (d_pad, lowp, p_fp4) -> (BLOCK_M, BLOCK_N, warps, stages); benchmarks sweep this
 # "auto": K/V tiles by bulk tensor copies (TMA) on sm_90+ when the layout allows; False/True force it.
 USE_TMA = "auto"
+SCALE_TMA = False  # with TMA K/V: per-token scales by TMA too (from a transposed `[Hkv, T]` copy)
+PIPELINE_QK = False  # issue the next block's Q.K^T before this block's softmax (unmasked blocks)
 _TMA_FAILED: set = set()  # launch configs whose TMA variant did not fit in shared memory
 
 
@@ -418,25 +460,42 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
         _prefix_max_kernel[(batch, hkv)](v_scale, vmax, cu_seqlens_k, HKV=hkv, BLOCK=32 if interpreting() else 1024,
                                          num_warps=4)
 
-    def launch(k_arg, v_arg, tma):
+    def launch(k_arg, ks_arg, v_arg, vs_arg, tma, scale_tma):
         _lowbit_fwd_kernel[grid](
-            q, q_scale if scaled else dummy, k_arg, k_scale if scaled else dummy, v_arg,
-            v_scale if scaled else dummy, vmax, out, lse, cu_seqlens_q, cu_seqlens_k, scale * LOG2E, vt.shape[-1], tq,
+            q, q_scale if scaled else dummy, k_arg, ks_arg, v_arg, vs_arg, vmax, out, lse, cu_seqlens_q,
+            cu_seqlens_k, scale * LOG2E, vt.shape[-1], tq,
             H=h, HKV=hkv, D=d, D_PAD=d_pad, CAUSAL=bool(causal), LOWP=lowp, SCALED=scaled,
-            P_FP4=bool(p_fp4) and lowp, EMULATE=interpreting(), USE_TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=warps, num_stages=stages,
+            P_FP4=bool(p_fp4) and lowp, EMULATE=interpreting(), USE_TMA=tma, SCALE_TMA=scale_tma,
+            PIPE=bool(PIPELINE_QK), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            num_stages=stages,
         )
 
+    ks_arg, vs_arg = (k_scale, v_scale) if scaled else (dummy, dummy)
     key = (d_pad, q.dtype, cfg)
     desc = None if key in _TMA_FAILED else _tma_descriptors(k, vt, d, d_pad, block_n)
     if desc is not None:
+        scale_tma = bool(SCALE_TMA) and scaled
+        if scale_tma:
+            ks_arg, vs_arg = (_scale_descriptor(x, block_n) for x in (k_scale, v_scale))
         try:
-            launch(*desc, True)
+            launch(desc[0], ks_arg, desc[1], vs_arg, True, scale_tma)
             return out, lse
         except triton.runtime.errors.OutOfResources:  # staging buffers too large: plain loads instead
             _TMA_FAILED.add(key)
-    launch(k, vt, False)
+            ks_arg, vs_arg = (k_scale, v_scale) if scaled else (dummy, dummy)
+    launch(k, ks_arg, vt, vs_arg, False, False)
     return out, lse
+
+
+def _scale_descriptor(scale, block_n):
+    """fp32 `[T, Hkv]` scales -> TMA descriptor over a transposed copy `[Hkv, T_pad]` (rows 16-byte aligned)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t, hkv = scale.shape
+    t_pad = _cdiv(t, 4) * 4
+    st = torch.zeros(hkv, t_pad, dtype=torch.float32, device=scale.device)
+    st[:, :t] = scale.t()
+    return TensorDescriptor(st, [hkv, t_pad], [t_pad, 1], [1, block_n])
 
 
 def lowbit_attention_emulated(q, k, v, *, fmt="fp8", causal=False, softmax_scale=None, p_fp4=False,
