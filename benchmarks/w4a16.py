@@ -109,7 +109,7 @@ def time_graph(fns, target_ms=3.0, replays=7):
             f()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):  # the warm-up stream: per-stream kernel state is reused
+    with torch.cuda.graph(graph):
         for i in range(calls):
             fns[i % len(fns)]()
     graph.replay()

@@ -4,7 +4,6 @@ random 4-bit codes themselves, independent of hf_fastpath.quantization."""
 import pytest
 import torch
 
-from hf_fastpath.kernels import w4a16 as w4a16_kernels
 from hf_fastpath.kernels.w4a16 import (
     _decode_grad_input,
     _decode_matmul,
@@ -78,8 +77,8 @@ def test_forward_and_grad_input(m, k, n, group, dtype, zeros):
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_split_k_and_split_n_accumulate(dtype):
-    # Split-K: partial tiles meet in a workspace and the last split of each tile sums them; its arrival counter
-    # must be back at zero afterwards, so a second call (other tiles, other x) is right too.
+    # Several programs add partial sums into one fp32 buffer (what the GPU uses to fill all SMs), over 2 x 2 and
+    # 1 x 2 output tiles.
     gen = torch.Generator().manual_seed(7)
     qweight, scales, z, w64 = make_layer(512, 72, 128, dtype, "random", gen)
     for m in (20, 3):  # 2 x 2 tiles, then 1 x 2 tiles (interpreter tiles: BLOCK_M = 16, BLOCK_N = 64)
@@ -87,7 +86,6 @@ def test_split_k_and_split_n_accumulate(dtype):
         out = torch.empty(m, 72, dtype=dtype)
         _decode_matmul(x, qweight, scales, z, 128, out, split_k=4)
         assert_close(out, x.double() @ w64, dtype)
-        assert w4a16_kernels._LOCKS and all(int(b.abs().sum()) == 0 for b in w4a16_kernels._LOCKS.values())
     dy = torch.randn(3, 72, generator=gen).to(dtype)
     dx = torch.empty(3, 512, dtype=dtype)
     _decode_grad_input(dy, qweight, scales, z, 128, dx, cfg=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
