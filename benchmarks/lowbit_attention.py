@@ -219,31 +219,22 @@ def prefill_cases(quick=False, only=None, time_it=True):
     return rows
 
 
-SWEEP_CFGS = {128: [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2),
-                    (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
-              256: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)]}
-DECODE_SWEEP = [dict(), dict(waves=8), dict(waves=8, block_n=64), dict(waves=16, block_n=64),
-                dict(waves=8, num_warps=8)]
+SWEEP_CFGS = {128: [(64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)],
+              256: [(64, 64, 4, 2), (128, 64, 8, 2)]}
+SCALE_MODES = ("regs", "regs_now", "tma", "load")
+DECODE_SWEEP = [dict(), dict(waves=4, block_n=64), dict(waves=4, block_n=32), dict(num_stages=2)]
 
 
 def _sweep_variants():
-    """Every prefill variant the sweep times (hd 128: 16k tokens, 16 heads; hd 256: 16k, 8 heads)."""
+    """Every prefill variant the sweep times (hd 128: 16k tokens, 16 heads; hd 256: 16k, 8 heads): launch configs
+    x ways of loading the per-token scales, causal and not; unit scales (no scale work) as the ceiling."""
     out = []
     for d, cfgs in SWEEP_CFGS.items():
         for cfg in cfgs:
-            for causal in (False, True):
-                out.append(dict(d=d, kind="fp8", cfg=cfg, tma=True, causal=causal))
-            if d == 128:
-                out.append(dict(d=d, kind="fp8_unit_scales", cfg=cfg, tma=True, causal=False))
-        for cfg in cfgs[:2] + cfgs[-2:]:
-            out.append(dict(d=d, kind="bf16", cfg=cfg, tma=True, causal=False))
-        if d == 128:
-            for cfg in (cfgs[0], cfgs[5]):  # the knobs of the kernel module, on two configs
-                out.append(dict(d=d, kind="fp8", cfg=cfg, tma=True, causal=False, stma=True))
-                out.append(dict(d=d, kind="fp8", cfg=cfg, tma=True, causal=False, pipe=True))
-            out.append(dict(d=d, kind="fp8", cfg=cfgs[0], tma=False, causal=False))
-            out.append(dict(d=d, kind="fp8", cfg=cfgs[-1], tma=False, causal=False))
-            out.append(dict(d=d, kind="ours_bf16", cfg=None, tma=False, causal=False))
+            for mode in SCALE_MODES:
+                for causal in (False, True):
+                    out.append(dict(d=d, kind="fp8", cfg=tuple(cfg) + (mode,), tma=True, causal=causal))
+        out.append(dict(d=d, kind="fp8_unit_scales", cfg=cfgs[0], tma=True, causal=False))
         out.append(dict(d=d, kind="ours_bf16", cfg=None, tma=True, causal=False))
     return out
 
@@ -259,7 +250,6 @@ def _run_variant(v, time_it=True):
     q, k, v_ = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
     kla.USE_TMA = v["tma"]
-    kla.SCALE_TMA = v.get("stma", False)
     kla.PIPELINE_QK = v.get("pipe", False)
     fa.USE_TMA = "auto" if v["tma"] else False
     try:
@@ -288,8 +278,36 @@ def _run_variant(v, time_it=True):
         return f"{type(e).__name__}: {str(e)[:300]}"
     finally:
         kla.CONFIG_OVERRIDE.clear()
-        kla.USE_TMA, kla.SCALE_TMA, kla.PIPELINE_QK = "auto", False, False
+        kla.USE_TMA, kla.PIPELINE_QK = "auto", False
         fa.USE_TMA = "auto"
+
+
+def e2e_breakdown(quick=False):
+    """Where the time of `lowbit_attention` goes besides the kernel (hd 128, 16 heads, 16k tokens, seq 4k)."""
+    from hf_fastpath.attention import lowbit
+    from hf_fastpath.kernels import lowbit_attention as kla
+
+    out = {}
+    b, s, h, d = 4, 4096, 16, 128
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    hm = lowbit.hadamard(d, q.device, q.dtype)
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+    pre = [kla.quantize_e4m3_rows(x, "fp8", transpose=i == 2) for i, x in enumerate((q, k, v))]
+    args = (pre[0][0], pre[0][1], pre[1][0], pre[1][1], pre[2][0], pre[2][1])
+    for causal in (False, True):
+        with torch.no_grad():
+            parts = {"rotate_qkv_and_out": lambda: [x @ hm for x in (q, k, v, q)],
+                     "quantize_qkv": lambda: [kla.quantize_e4m3_rows(x, "fp8", transpose=i == 2)
+                                              for i, x in enumerate((q, k, v))],
+                     "kernel": lambda: kla.lowbit_flash_forward(*args, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                max_seqlen_q=s, causal=causal),
+                     "e2e": lambda: lowbit.lowbit_attention(q, k, v, fmt="fp8", causal=causal),
+                     "e2e_no_rotation": lambda: lowbit.lowbit_attention(q, k, v, fmt="fp8", causal=causal,
+                                                                        rotate=False)}
+            out["causal" if causal else "full"] = {name: _bench(fn) for name, fn in parts.items()}
+        _log("e2e breakdown ms", causal, {k_: round(x, 3) for k_, x in out["causal" if causal else "full"].items()})
+    return out
 
 
 def _decode_variants():
@@ -377,7 +395,7 @@ def sweep():
         _log("sweep", rows[-1])
     winners = {}
     for d in SWEEP_CFGS:
-        for kind in ("fp8", "bf16"):
+        for kind in ("fp8",):
             score = {}
             for r in rows:
                 if (r["d"] == d and r["kind"] == kind and r["tma"] and not r.get("stma") and not r.get("pipe")
@@ -532,7 +550,8 @@ def main():
     res = dict(env=_env())
     _log(res["env"])
     path = os.path.join(args.out, "lowbit_attention.json")
-    steps = [("checks", gpu_checks), ("prefill", prefill_cases), ("decode", decode_cases)]
+    steps = [("checks", gpu_checks), ("prefill", prefill_cases), ("e2e_breakdown", e2e_breakdown),
+             ("decode", decode_cases)]
     if args.sweep:
         steps.insert(0, ("sweep", sweep))
     for name, fn in steps:

@@ -167,3 +167,16 @@ def test_hadamard_rotation_is_exact_and_helps_with_outlier_channels():
     k2 = k.clone()
     k2[:, 20:] *= 50
     assert torch.equal(lowbit.fp4_attention(q, k2, v, causal=True)[:, :20], rotated[:, :20])
+
+
+@pytest.mark.parametrize("mode,pipe", [("load", False), ("regs_now", False), ("regs", True)])
+def test_scale_loading_variants_agree(mode, pipe, monkeypatch):
+    """The ways of loading per-token scales (and the Q.K^T pipelining knob) compute the same numbers."""
+    q, k, v = torch.randn(1, 100, 2, 32), torch.randn(1, 130, 2, 32), torch.randn(1, 130, 2, 32)
+    for causal in (False, True):
+        ref = lowbit.fp8_attention(q, k, v, causal=causal)
+        monkeypatch.setattr(kla, "SCALE_LOAD", mode)
+        monkeypatch.setattr(kla, "PIPELINE_QK", pipe)
+        got = lowbit.fp8_attention(q, k, v, causal=causal)
+        monkeypatch.undo()
+        assert torch.equal(got, ref)

@@ -102,12 +102,31 @@ def _k_scores(q, K, k_start, k_len, hk, start_n, HKV: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _token_scales(S, k_start, k_len, hk, start_n, HKV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  SCALE_TMA: tl.constexpr):
-    """Per-token scales of one key block: `[Hkv, T]` TMA descriptor (no block-wide barrier, unlike cp.async into
-    shared memory) or `[T, Hkv]` pointer loads."""
-    if SCALE_TMA:
+def _ld_global(ptrs, mask, EMULATE: tl.constexpr):
+    """Plain global loads into registers. Triton would stage a `tl.load` in the loop through shared memory
+    (cp.async), which costs a block-wide barrier per key block; inline assembly is left alone by its pipeliner.
+    Masked lanes read a valid address (the caller clamps) and get 0."""
+    if EMULATE:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        x = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        x = tl.where(mask, x, 0.0)
+    return x
+
+
+@triton.jit
+def _token_scales(S, k_start, k_len, hk, start_n, T_S, HKV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, SCALE_LOAD: tl.constexpr, EMULATE: tl.constexpr):
+    """Per-token scales of one key block. SCALE_LOAD 0: `tl.load` from `[T, Hkv]`; 1: TMA descriptor over a
+    transposed `[Hkv, T_S]` copy; 2, 3: register loads from that copy (indices clamped to it; 2: the caller loads
+    one block ahead)."""
+    if SCALE_LOAD == 1:
         out = tl.reshape(S.load([hk, k_start + start_n]), (BLOCK_N,))
+    elif SCALE_LOAD >= 2:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ok = offs_n < k_len
+        out = _ld_global(S + hk * T_S + tl.minimum(k_start + offs_n, T_S - 1), ok, EMULATE)
     else:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -118,19 +137,18 @@ def _token_scales(S, k_start, k_len, hk, start_n, HKV: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk, start_n, offs_m, diag, T_K_PAD,
+def _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n, offs_m, diag, T_K_PAD,
                 HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOWP: tl.constexpr,
-                SCALED: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr,
-                SCALE_TMA: tl.constexpr):
-    """Online softmax and P.V of one key block, given its raw scores `qk`. Per element of the [BLOCK_M, BLOCK_N]
+                SCALED: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr):
+    """Online softmax and P.V of one key block, given its raw scores `qk` and token scales. Per element of the [BLOCK_M, BLOCK_N]
     tile the FP8 path costs one multiply by the key scale, the row max, one FMA (row scale, max and V normaliser),
     exp2, the row sum, one multiply by the V scale and the e4m3 cast: at FP8 MMA rates every extra op shows.
     Nothing here reduces across warps."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     col_ok = offs_n < k_len
     if SCALED:
-        t = qk * _token_scales(KS, k_start, k_len, hk, start_n, HKV, BLOCK_N, MASKED, SCALE_TMA)[None, :]
+        t = qk * ks[None, :]
     else:
         t = qk
     # scores in the log2 domain are t * qs (qs > 0: the row's Q scale times softmax_scale * log2(e)); the max is
@@ -164,7 +182,7 @@ def _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk, start
             vt = tl.load(v_ptrs, mask=(offs_d < D)[:, None], other=0.0)
     if LOWP:
         if SCALED:  # V's scale lies along the contraction: into P, <= 256 by the choice of lv
-            p = p * _token_scales(VS, k_start, k_len, hk, start_n, HKV, BLOCK_N, MASKED, SCALE_TMA)[None, :]
+            p = p * vs[None, :]
         if P_FP4:
             p = _round_p_fp4(p, BLOCK_M, BLOCK_N)
         if EMULATE:
@@ -201,10 +219,10 @@ def _prefix_max_kernel(VS, OUT, CU_K, HKV: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, qk_scale, T_K_PAD, T_Q,
+def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, qk_scale, T_K_PAD, T_Q, T_S,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        CAUSAL: tl.constexpr, LOWP: tl.constexpr, SCALED: tl.constexpr, P_FP4: tl.constexpr,
-                       EMULATE: tl.constexpr, USE_TMA: tl.constexpr, SCALE_TMA: tl.constexpr, PIPE: tl.constexpr,
+                       EMULATE: tl.constexpr, USE_TMA: tl.constexpr, SCALE_LOAD: tl.constexpr, PIPE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) start first: less tail at the end of the grid
@@ -248,31 +266,61 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, qk_scale,
         hi = tl.maximum(hi, 0)
         full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
         full = tl.minimum(full, hi)
+        ks = tl.zeros([BLOCK_N], dtype=tl.float32)  # placeholders when unscaled
+        vs = ks
         if PIPE:  # Q.K^T of the next block is issued before the softmax of this one: MMA and ALU overlap
             if full > 0:
                 qk = _k_scores(q, K, k_start, k_len, hk, 0, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
                 for start_n in tl.range(BLOCK_N, full, BLOCK_N):
                     qk_next = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE,
                                         USE_TMA)
-                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk,
+                    if SCALED:
+                        ks = _token_scales(KS, k_start, k_len, hk, start_n - BLOCK_N, T_S, HKV, BLOCK_N, False,
+                                           SCALE_LOAD, EMULATE)
+                        vs = _token_scales(VS, k_start, k_len, hk, start_n - BLOCK_N, T_S, HKV, BLOCK_N, False,
+                                           SCALE_LOAD, EMULATE)
+                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk,
                                                 start_n - BLOCK_N, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M,
-                                                BLOCK_N, False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA,
-                                                SCALE_TMA)
+                                                BLOCK_N, False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
                     qk = qk_next
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk,
+                if SCALED:
+                    ks = _token_scales(KS, k_start, k_len, hk, full - BLOCK_N, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
+                                       EMULATE)
+                    vs = _token_scales(VS, k_start, k_len, hk, full - BLOCK_N, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
+                                       EMULATE)
+                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk,
                                             full - BLOCK_N, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N,
-                                            False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA, SCALE_TMA)
+                                            False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
         else:
+            if SCALED and SCALE_LOAD == 2:  # register loads one block ahead: their latency hides behind a block
+                ks_next = _token_scales(KS, k_start, k_len, hk, 0, T_S, HKV, BLOCK_N, False, SCALE_LOAD, EMULATE)
+                vs_next = _token_scales(VS, k_start, k_len, hk, 0, T_S, HKV, BLOCK_N, False, SCALE_LOAD, EMULATE)
             for start_n in tl.range(0, full, BLOCK_N):
+                if SCALED:
+                    if SCALE_LOAD == 2:
+                        ks = ks_next
+                        vs = vs_next
+                        ks_next = _token_scales(KS, k_start, k_len, hk, start_n + BLOCK_N, T_S, HKV, BLOCK_N, False,
+                                                SCALE_LOAD, EMULATE)
+                        vs_next = _token_scales(VS, k_start, k_len, hk, start_n + BLOCK_N, T_S, HKV, BLOCK_N, False,
+                                                SCALE_LOAD, EMULATE)
+                    else:
+                        ks = _token_scales(KS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
+                                           EMULATE)
+                        vs = _token_scales(VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
+                                           EMULATE)
                 qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk, start_n,
+                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n,
                                             offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                            LOWP, SCALED, P_FP4, EMULATE, USE_TMA, SCALE_TMA)
+                                            LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
         for start_n in tl.range(full, hi, BLOCK_N):
+            if SCALED:
+                ks = _token_scales(KS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, True, SCALE_LOAD, EMULATE)
+                vs = _token_scales(VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, True, SCALE_LOAD, EMULATE)
             qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, True, EMULATE, USE_TMA)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, qs, lv, KS, VT, VS, k_start, k_len, hk, start_n,
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n,
                                         offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                        LOWP, SCALED, P_FP4, EMULATE, USE_TMA, SCALE_TMA)
+                                        LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]  # acc and l both carry the factor 2**lv
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe) - lv) * 0.6931471805599453, float("-inf"))
@@ -374,12 +422,16 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False):
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (padded head dim, low precision); measured on the H200 with
 # `benchmarks/lowbit_attention.py --sweep` (hd 128, 16k tokens).
-_CONFIGS = {(128, True): (128, 128, 8, 3), (128, False): (128, 64, 8, 3), (256, True): (128, 64, 8, 2),
+_CONFIGS = {(128, True): (64, 128, 4, 3), (128, False): (128, 128, 8, 3), (256, True): (64, 64, 4, 2),
             (256, False): (128, 64, 8, 2)}
 CONFIG_OVERRIDE: dict = {}  # (d_pad, lowp, p_fp4) -> (BLOCK_M, BLOCK_N, warps, stages); benchmarks sweep this
 # "auto": K/V tiles by bulk tensor copies (TMA) on sm_90+ when the layout allows; False/True force it.
 USE_TMA = "auto"
-SCALE_TMA = False  # with TMA K/V: per-token scales by TMA too (from a transposed `[Hkv, T]` copy)
+# per-token K/V scales in the loop: "regs" (plain loads one block ahead, from a transposed `[Hkv, T]` copy),
+# "regs_now" (the same, in the block itself), "tma" (bulk copies from that copy; with TMA K/V only) or "load"
+# (Triton's pipelined loads through shared memory). A 5th entry of a launch config overrides it.
+SCALE_LOAD = "regs"
+_SCALE_MODES = {"load": 0, "tma": 1, "regs": 2, "regs_now": 3}
 PIPELINE_QK = False  # issue the next block's Q.K^T before this block's softmax (unmasked blocks)
 _TMA_FAILED: set = set()  # launch configs whose TMA variant did not fit in shared memory
 
@@ -448,7 +500,7 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
         raise ValueError(f"softmax_scale must be positive, got {scale}")
     d_pad = max(32, _next_pow2(d))
     cfg = _config(d_pad, lowp, bool(p_fp4) and lowp)
-    block_m, block_n, warps, stages = cfg
+    block_m, block_n, warps, stages = cfg[:4]
     out = torch.empty(tq, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(h, tq, dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.numel() - 1
@@ -460,41 +512,47 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
         _prefix_max_kernel[(batch, hkv)](v_scale, vmax, cu_seqlens_k, HKV=hkv, BLOCK=32 if interpreting() else 1024,
                                          num_warps=4)
 
-    def launch(k_arg, ks_arg, v_arg, vs_arg, tma, scale_tma):
+    def launch(k_arg, ks_arg, v_arg, vs_arg, tma, scale_load, t_s):
         _lowbit_fwd_kernel[grid](
             q, q_scale if scaled else dummy, k_arg, ks_arg, v_arg, vs_arg, vmax, out, lse, cu_seqlens_q,
-            cu_seqlens_k, scale * LOG2E, vt.shape[-1], tq,
+            cu_seqlens_k, scale * LOG2E, vt.shape[-1], tq, t_s,
             H=h, HKV=hkv, D=d, D_PAD=d_pad, CAUSAL=bool(causal), LOWP=lowp, SCALED=scaled,
-            P_FP4=bool(p_fp4) and lowp, EMULATE=interpreting(), USE_TMA=tma, SCALE_TMA=scale_tma,
-            PIPE=bool(PIPELINE_QK), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages,
+            P_FP4=bool(p_fp4) and lowp, EMULATE=interpreting(), USE_TMA=tma, SCALE_LOAD=scale_load,
+            PIPE=bool(PIPELINE_QK), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )
 
-    ks_arg, vs_arg = (k_scale, v_scale) if scaled else (dummy, dummy)
     key = (d_pad, q.dtype, cfg)
     desc = None if key in _TMA_FAILED else _tma_descriptors(k, vt, d, d_pad, block_n)
+    mode = _SCALE_MODES[cfg[4] if len(cfg) > 4 else SCALE_LOAD] if scaled else 0
+    if mode == 1 and desc is None:
+        mode = 2
+    ks_arg, vs_arg, t_s = (k_scale, v_scale, 1) if scaled else (dummy, dummy, 1)
+    if mode:
+        (ks_arg, vs_arg), t_s = (_transposed(x) for x in (k_scale, v_scale)), _cdiv(k_scale.shape[0], 4) * 4
     if desc is not None:
-        scale_tma = bool(SCALE_TMA) and scaled
-        if scale_tma:
-            ks_arg, vs_arg = (_scale_descriptor(x, block_n) for x in (k_scale, v_scale))
         try:
-            launch(desc[0], ks_arg, desc[1], vs_arg, True, scale_tma)
+            sk, sv = (_scale_descriptor(x, block_n) for x in (ks_arg, vs_arg)) if mode == 1 else (ks_arg, vs_arg)
+            launch(desc[0], sk, desc[1], sv, True, mode, t_s)
             return out, lse
         except triton.runtime.errors.OutOfResources:  # staging buffers too large: plain loads instead
             _TMA_FAILED.add(key)
-            ks_arg, vs_arg = (k_scale, v_scale) if scaled else (dummy, dummy)
-    launch(k, ks_arg, vt, vs_arg, False, False)
+            mode = 2 if mode == 1 else mode
+    launch(k, ks_arg, vt, vs_arg, False, mode, t_s)
     return out, lse
 
 
-def _scale_descriptor(scale, block_n):
-    """fp32 `[T, Hkv]` scales -> TMA descriptor over a transposed copy `[Hkv, T_pad]` (rows 16-byte aligned)."""
+def _transposed(scale):
+    """fp32 `[T, Hkv]` -> `[Hkv, T_pad]` (T padded to 4: 16-byte aligned rows for TMA)."""
+    t, hkv = scale.shape
+    st = torch.zeros(hkv, _cdiv(t, 4) * 4, dtype=torch.float32, device=scale.device)
+    st[:, :t] = scale.t()
+    return st
+
+
+def _scale_descriptor(st, block_n):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    t, hkv = scale.shape
-    t_pad = _cdiv(t, 4) * 4
-    st = torch.zeros(hkv, t_pad, dtype=torch.float32, device=scale.device)
-    st[:, :t] = scale.t()
+    hkv, t_pad = st.shape
     return TensorDescriptor(st, [hkv, t_pad], [t_pad, 1], [1, block_n])
 
 
