@@ -7,7 +7,8 @@
 
 The same randomly initialised Llama-shaped model (random weights: same shapes, same speed) is fine-tuned four ways,
 all with PEFT LoRA r=16 alpha=32 on every linear (same seed, same initial adapters), gradient checkpointing
-(non-reentrant, through `prepare_model_for_qlora`, so fp32 norms everywhere), AdamW, batch 1 x 2048 tokens, bf16:
+(non-reentrant, through `prepare_model_for_qlora`, so fp32 norms everywhere), AdamW, batch 1 (--batch) x 2048
+tokens, bf16:
   bf16_lora           peer: bf16 base weights, PEFT's LoRA layer, SDPA attention
   dequant_qlora       peer: 4-bit base weights dequantized for every matmul, in the forward and again in the
                       backward (the way bitsandbytes / gptqmodel train; the dequantization itself is hf_fastpath's
@@ -193,14 +194,16 @@ def measure(model, ids, label, mode, rep_ms):
     torch.cuda.empty_cache()
     resident = torch.cuda.memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
     loss = step()
+    host_ms = (time.perf_counter() - t0) * 1e3  # time to enqueue the step: close to step_ms = host-bound
     sync()
     peak = torch.cuda.max_memory_allocated() / 2**30
     ms = triton.testing.do_bench(step, warmup=max(200, rep_ms // 4), rep=rep_ms, return_mode="median")
     out = {"step_ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak, "resident_gib": resident,
-           "loss": loss.item()}
+           "host_ms": host_ms, "loss": loss.item()}
     log(f"  {label:20s} {mode:8s} {ms:8.1f} ms/step  {out['tokens_per_s']:10,.0f} tokens/s  peak {peak:6.2f} GiB"
-        f"  resident {resident:6.2f} GiB")
+        f"  resident {resident:6.2f} GiB  host {host_ms:6.1f} ms")
     del step, opt
     return out
 
@@ -255,7 +258,7 @@ def quiet(logger_name):
     logging.getLogger(logger_name).setLevel(logging.ERROR)
 
 
-def bench_shape(name, seq, rep_ms, modes):
+def bench_shape(name, seq, rep_ms, modes, batch=1):
     import transformers
 
     from hf_fastpath.quantization.calibrate import quantize_model
@@ -271,8 +274,8 @@ def bench_shape(name, seq, rep_ms, modes):
     params = sum(p.numel() for p in model.parameters())
     log(f"{name}: {params / 1e9:.2f}B parameters, built in {time.perf_counter() - t0:.1f} s")
     g = torch.Generator(device=DEVICE).manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (1, seq), device=DEVICE, generator=g)
-    result = {"parameters": params, "seq_len": seq, "batch": 1, "group_size": GROUP_SIZE[name],
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=DEVICE, generator=g)
+    result = {"parameters": params, "seq_len": seq, "batch": batch, "group_size": GROUP_SIZE[name],
               **{mode: {} for mode in modes}}
 
     quiet("hf_fastpath.quantization.training")  # "no W4A16Linear layer": expected for the bf16 peer
@@ -329,7 +332,7 @@ def run(args):
     import hf_fastpath  # noqa: F401  (registers the attention and the PEFT mapping)
 
     results = {
-        "what": "LoRA training step (r=16, all-linear, grad checkpointing, AdamW), batch 1 x seq tokens, bf16",
+        "what": "LoRA training step (r=16, all-linear, grad checkpointing, AdamW), batch x seq tokens, bf16",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run",
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
@@ -344,7 +347,7 @@ def run(args):
     path = os.path.join(out_dir, "qlora.json")
     for name in args.shapes:
         try:
-            results["shapes"][name] = bench_shape(name, args.seq, args.rep_ms, args.modes)
+            results["shapes"][name] = bench_shape(name, args.seq, args.rep_ms, args.modes, args.batch)
         except Exception as error:  # keep the other shape's figures
             import traceback
 
@@ -390,11 +393,13 @@ def plot(results, path):
         ax.set_ylabel("relative to bf16 LoRA" + (" (labels: tokens/s)" if key == "tokens_per_s" else " (labels: GiB)"))
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[1].legend(fontsize=7, loc="upper right")
-    seq = results["shapes"][shapes[0]]["seq_len"] if shapes else "?"
-    fig.suptitle(f"LoRA r=16 training step, batch 1 x {seq} tokens, grad checkpointing, {mode} bf16, {results['gpu']}",
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(variants), fontsize=8, frameon=False)
+    first = results["shapes"][shapes[0]] if shapes else {}
+    seq, batch = first.get("seq_len", "?"), first.get("batch", 1)
+    fig.suptitle(f"LoRA r=16 training step, batch {batch} x {seq} tokens, grad checkpointing, {mode} bf16, {results['gpu']}",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
     log(f"wrote {path}")
 
@@ -416,6 +421,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama3-8b"], choices=list(SHAPES))
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (more work per step: less host-bound)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                    help="precision modes; the first is the headline (plot)")
     p.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per variant")
