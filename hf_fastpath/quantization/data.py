@@ -7,6 +7,11 @@ A text source is one of:
   Testament: for calibration) or `"bible-eval"` (Matthew to Revelation, the New Testament: held out);
 - `"fortunes"`: fortune-cookie files (Debian's `fortunes` under /usr/share/games/fortunes, or the `fortunes-unix`
   pip package's files under `<prefix>/share/games/fortune`);
+- `"python-docs"`: the Python language reference topics that ship with CPython itself (`pydoc_data.topics`, ~0.5 MB of
+  technical English with code);
+- `"mixed"` (the calibration default) = `"bible-calib+python-docs"`: sources joined by `+` give windows drawn in
+  equal shares from each part. GPTQ fits the layer to the calibration activations; a single narrow domain (the
+  Bible alone) made it worse than round-to-nearest on other text, a mix of registers does not (see NOTES.md);
 - a Hugging Face `datasets` name, `"name"` or `"name:config"` (optionally `"name:config:split"`; text column `text`),
   if the `datasets` package is installed and the data is reachable.
 """
@@ -24,7 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CALIBRATION = "bible-calib"
+MIXED_CALIBRATION = "bible-calib+python-docs"
+DEFAULT_CALIBRATION = "mixed"
 DEFAULT_EVALUATION = "bible-eval"
 FIRST_NEW_TESTAMENT_BOOK = "Matthew"
 
@@ -88,10 +94,32 @@ def fortune_texts() -> list[str]:
     return out
 
 
+def python_docs_texts() -> list[str]:
+    """One string per topic of the Python language reference shipped with the interpreter (pydoc_data)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # some distributions strip pydoc_data from their Python
+        raise ImportError("the 'python-docs' text needs the standard library's pydoc_data module, which this Python "
+                          "lacks; pass another dataset (e.g. dataset='bible-calib')") from e
+    return [text for _, text in sorted(topics.items())]
+
+
+def source_parts(source) -> list:
+    """The parts of a `+`-joined source name ("mixed" expanded); any other source is one part."""
+    if isinstance(source, str) and not os.path.isfile(source):
+        name = MIXED_CALIBRATION if source == "mixed" else source
+        if "+" in name:
+            return [p.strip() for p in name.split("+") if p.strip()]
+    return [source]
+
+
 def load_texts(source=None, default: str = DEFAULT_CALIBRATION) -> list[str]:
-    """A list of documents from any supported source (see the module docstring)."""
+    """A list of documents from any supported source (see the module docstring); `+`-joined parts concatenated."""
     if source is None:
         source = default
+    parts = source_parts(source)
+    if len(parts) > 1:
+        return [text for part in parts for text in load_texts(part)]
     if isinstance(source, (list, tuple)):
         if not all(isinstance(s, str) for s in source):
             raise TypeError("a text list must hold strings (token ids go through `token_windows` directly)")
@@ -104,6 +132,8 @@ def load_texts(source=None, default: str = DEFAULT_CALIBRATION) -> list[str]:
         return bible_texts({"bible": "all", "bible-calib": "calib", "bible-eval": "eval"}[source])
     if source == "fortunes":
         return fortune_texts()
+    if source == "python-docs":
+        return python_docs_texts()
     return _datasets_texts(source)
 
 
@@ -112,7 +142,8 @@ def _datasets_texts(name: str) -> list[str]:
         import datasets
     except ImportError as e:
         raise ValueError(
-            f"unknown text source {name!r}: not a file, not one of bible/bible-calib/bible-eval/fortunes, and the "
+            f"unknown text source {name!r}: not a file, not one of bible/bible-calib/bible-eval/fortunes/"
+            "python-docs/mixed, and the "
             "`datasets` package is not installed to load it from the Hub"
         ) from e
     parts = name.split(":")
@@ -142,6 +173,22 @@ def tokenize_stream(tokenizer, texts: list[str], max_tokens: int | None = None) 
     return out[:max_tokens] if max_tokens is not None else out
 
 
+def _available_parts(parts: list) -> list:
+    """The parts of a mixed source that load here; a missing one is dropped with a warning (its share goes to the rest)."""
+    found, missing = [], []
+    for part in parts:
+        try:
+            load_texts(part)
+            found.append(part)
+        except (ImportError, FileNotFoundError) as e:
+            missing.append(f"{part} ({e})")
+    if not found:
+        raise FileNotFoundError("no part of the calibration source is available: " + "; ".join(missing))
+    if missing:
+        logger.warning("calibration: leaving out %s; drawing every window from %s", "; ".join(missing), "+".join(found))
+    return found
+
+
 def calibration_windows(tokenizer, source=None, num_samples: int = 128, seq_len: int = 2048,
                         seed: int = 0) -> torch.Tensor:
     """`[num_samples, seq_len]` token windows drawn at random (fixed seed) from the source.
@@ -154,7 +201,14 @@ def calibration_windows(tokenizer, source=None, num_samples: int = 128, seq_len:
         return torch.stack([torch.as_tensor(s, dtype=torch.long)[:seq_len] for s in source[:num_samples]])
     if tokenizer is None:
         raise ValueError("calibration from text needs a tokenizer: pass tokenizer=..., or give token ids as dataset")
-    texts = load_texts(source, DEFAULT_CALIBRATION)
+    parts = source_parts(DEFAULT_CALIBRATION if source is None else source)
+    if len(parts) > 1:
+        parts = _available_parts(parts)
+        # Equal shares per part (the first parts take the remainder), each part's windows drawn as if alone.
+        shares = [num_samples // len(parts) + (i < num_samples % len(parts)) for i in range(len(parts))]
+        windows = [calibration_windows(tokenizer, part, n, seq_len, seed) for part, n in zip(parts, shares) if n]
+        return torch.cat(windows)
+    texts = load_texts(parts[0])
     # Enough text for distinct windows without tokenizing a whole large corpus.
     stream = tokenize_stream(tokenizer, texts, max_tokens=max(4 * num_samples * seq_len, 2 * seq_len))
     if stream.numel() <= seq_len:
