@@ -512,7 +512,7 @@ def plot(path, png):
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     ax = axes[0]
     rows = res["prefill"]
-    names = ["sdpa_cudnn", "ours_bf16", "lowbit_kernel_bf16_mode", "fp8_e2e", "mxfp4_e2e", "mxfp4_pfp4_kernel"]
+    names = ["sdpa_cudnn", "ours_bf16", "fp8_kernel", "fp8_e2e", "mxfp4_kernel", "mxfp4_e2e", "mxfp4_pfp4_kernel"]
     labels = [f"d{r['head_dim']} {r['seq'] // 1024}k {'c' if r['causal'] else 'f'}" for r in rows]
     width = 0.8 / len(names)
     for i, n in enumerate(names):

@@ -420,17 +420,19 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False):
     return y, scale
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (padded head dim, low precision); measured on the H200 with
-# `benchmarks/lowbit_attention.py --sweep` (hd 128, 16k tokens).
-_CONFIGS = {(128, True): (64, 128, 4, 3), (128, False): (128, 128, 8, 3), (256, True): (64, 64, 4, 2),
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, scale loading]) per (padded head dim, low precision); measured on the
+# H200 with `benchmarks/lowbit_attention.py --sweep` (16k tokens; results/lowbit_attention.json): one warpgroup per
+# program and TMA for K/V and the scales win (~1.5x over pointer loads staged through shared memory).
+_CONFIGS = {(128, True): (64, 128, 4, 3, "tma"), (128, False): (128, 128, 8, 3), (256, True): (64, 64, 4, 2, "tma"),
             (256, False): (128, 64, 8, 2)}
 CONFIG_OVERRIDE: dict = {}  # (d_pad, lowp, p_fp4) -> (BLOCK_M, BLOCK_N, warps, stages); benchmarks sweep this
 # "auto": K/V tiles by bulk tensor copies (TMA) on sm_90+ when the layout allows; False/True force it.
 USE_TMA = "auto"
-# per-token K/V scales in the loop: "regs" (plain loads one block ahead, from a transposed `[Hkv, T]` copy),
-# "regs_now" (the same, in the block itself), "tma" (bulk copies from that copy; with TMA K/V only) or "load"
-# (Triton's pipelined loads through shared memory). A 5th entry of a launch config overrides it.
-SCALE_LOAD = "regs"
+# per-token K/V scales in the loop: "tma" (bulk copies from a transposed `[Hkv, T]` copy; with TMA K/V only,
+# else "load"), "load" (Triton's pipelined loads through shared memory: a block-wide barrier per key block),
+# "regs" (plain loads one block ahead, from the transposed copy) or "regs_now" (the same, in the block itself).
+# A 5th entry of a launch config overrides it. H200, hd 128: tma 635, load 596, regs_now 503, regs 385 TFLOP/s.
+SCALE_LOAD = "tma"
 _SCALE_MODES = {"load": 0, "tma": 1, "regs": 2, "regs_now": 3}
 PIPELINE_QK = False  # issue the next block's Q.K^T before this block's softmax (unmasked blocks)
 _TMA_FAILED: set = set()  # launch configs whose TMA variant did not fit in shared memory
@@ -525,7 +527,7 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
     desc = None if key in _TMA_FAILED else _tma_descriptors(k, vt, d, d_pad, block_n)
     mode = _SCALE_MODES[cfg[4] if len(cfg) > 4 else SCALE_LOAD] if scaled else 0
     if mode == 1 and desc is None:
-        mode = 2
+        mode = 0
     ks_arg, vs_arg, t_s = (k_scale, v_scale, 1) if scaled else (dummy, dummy, 1)
     if mode:
         (ks_arg, vs_arg), t_s = (_transposed(x) for x in (k_scale, v_scale)), _cdiv(k_scale.shape[0], 4) * 4
@@ -536,7 +538,8 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
             return out, lse
         except triton.runtime.errors.OutOfResources:  # staging buffers too large: plain loads instead
             _TMA_FAILED.add(key)
-            mode = 2 if mode == 1 else mode
+            if mode == 1:
+                mode, ks_arg, vs_arg, t_s = 0, k_scale, v_scale, 1
     launch(k, ks_arg, vt, vs_arg, False, mode, t_s)
     return out, lse
 
