@@ -197,6 +197,46 @@ def test_gptq_true_sequential_beats_rtn_on_a_model(calibration_ids):
     assert errors["gptq"] < errors["rtn"], errors
 
 
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_pipeline_calibrates_each_linear_on_the_quantized_model_inputs(calibration_ids, monkeypatch, desc_act):
+    """What every GPTQ linear was calibrated on must be exactly what it sees in the final quantized model: block i's
+    inputs come from blocks < i already quantized, a block's later linears from its earlier ones already quantized, and
+    the W4A16 layers hold exactly the weights the later Hessians were collected with."""
+    from hf_fastpath.quantization.linear import W4A16Linear
+
+    model = tiny_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3)
+    seen = []  # (GPTQ accumulator, inputs) in calibration order
+    original = GPTQ.add_batch
+
+    def recording_add_batch(self, x):
+        seen.append((self, x.detach().clone()))
+        return original(self, x)
+
+    monkeypatch.setattr(GPTQ, "add_batch", recording_add_batch)
+    quantize_model(model, dict(method="gptq", bits=4, group_size=32, sym=False, desc_act=desc_act, batch_size=4),
+                   calibration_ids=calibration_ids)
+    monkeypatch.undo()
+
+    final = {}  # first linear of each input group -> its inputs in the finished model, batch by batch
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: final.setdefault(n, []).append(a[0].detach().clone()))
+             for n, m in model.named_modules() if isinstance(m, W4A16Linear)]
+    with torch.no_grad():
+        for batch in calibration_ids.split(4):
+            model(batch)
+    for h in hooks:
+        h.remove()
+    # Calibration order is block by block, group by group: q (q/k/v share it), o, gate (gate/up share it), down.
+    order = [f"model.layers.{i}.{n}" for i in range(3)
+             for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
+    accumulators = list(dict.fromkeys(acc for acc, _ in seen))
+    assert len(accumulators) == len(order)
+    for name, acc in zip(order, accumulators):
+        calibrated = [x for a, x in seen if a is acc]
+        assert len(calibrated) == len(final[name]) == 2, name
+        for x_cal, x_final in zip(calibrated, final[name]):
+            torch.testing.assert_close(x_cal, x_final, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_unknown_method_is_a_clear_error():
     with pytest.raises(ValueError, match="method"):
         quantize_model(tiny_model("llama"), dict(method="smoothquant"))
