@@ -29,13 +29,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-MODES = {  # name -> (format, P in fp4, Hadamard rotation); "kv_*" = only K/V quantized (the KV cache)
+MODES = {  # name -> (format, P in fp4, Hadamard rotation[, Q/K format]); "kv_*" = only K/V quantized (the KV cache)
     "fp8": ("fp8", False, True),  # what fp8_attention does by default
     "fp8_norot": ("fp8", False, False),
     "mxfp4": ("mxfp4", False, True),  # fp4_attention's default on Hopper
     "mxfp4_norot": ("mxfp4", False, False),
     "mxfp4_pfp4": ("mxfp4", True, True),  # P in FP4 too (the default on sm_100+)
     "nvfp4": ("nvfp4", False, True),
+    "mxfp4_qk_fp8": ("mxfp4", False, True, "fp8"),  # fp4_attention(qk_format="fp8"): only V in FP4
+    "nvfp4_qk_fp8": ("nvfp4", False, True, "fp8"),
     "kv_fp8": ("fp8", None, False),
     "kv_mxfp4": ("mxfp4", None, False),
     "kv_nvfp4": ("nvfp4", None, False),
@@ -55,7 +57,8 @@ def _attend(mode, q, k, v, scale):
     qs, ks, vs = (x.transpose(1, 2).float() for x in (q, k, v))
     if mode == "exact":
         return reference.attention_forward(qs, ks, vs, causal=True, softmax_scale=scale)[0]
-    fmt, p_fp4, rot = MODES[mode]
+    fmt, p_fp4, rot = MODES[mode][:3]
+    qk_fmt = MODES[mode][3] if len(MODES[mode]) > 3 else None
     if rot:
         from hf_fastpath.attention.lowbit import hadamard
 
@@ -65,7 +68,7 @@ def _attend(mode, q, k, v, scale):
         kq, vq = (lq.dequantize_rows(lq.quantize_rows(x, fmt, check=False)) for x in (ks, vs))
         return reference.attention_forward(qs, kq, vq, causal=True, softmax_scale=scale)[0]
     outs = [kla.lowbit_attention_emulated(qs[b], ks[b], vs[b], fmt=fmt, causal=True, softmax_scale=scale,
-                                          p_fp4=p_fp4)[0] for b in range(qs.shape[0])]
+                                          p_fp4=p_fp4, qk_fmt=qk_fmt)[0] for b in range(qs.shape[0])]
     out = torch.stack(outs)
     return out @ h if rot else out
 

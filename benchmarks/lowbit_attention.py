@@ -90,8 +90,10 @@ def gpu_checks():
                 y_ref, s_ref = lowbit.quantize_for_attention(q.reshape(-1, 4, 128).cpu(), fmt)
                 same = bool(torch.equal(y.view(torch.uint8).cpu(), y_ref.view(torch.uint8))
                             and torch.equal(s.cpu(), s_ref))
+                rot = lowbit.lowbit_attention(q, *kv, fmt=fmt, p_format="fp4" if p_fp4 else "fp8", causal=causal)
                 out[key] = dict(cos_vs_emulation=_cos(got[0].float(), emu), cos_vs_fp32=_cos(got.float(), ref),
-                                rel_vs_fp32=_rel(got.float(), ref), quantizer_bit_exact=same)
+                                rel_vs_fp32=_rel(got.float(), ref), quantizer_bit_exact=same,
+                                rotated_cos_vs_fp32=_cos(rot.float(), ref))
             except Exception as e:  # keep going: the report says what failed
                 out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:])
             _log(key, out[key])
@@ -219,10 +221,11 @@ def prefill_cases(quick=False, only=None, time_it=True):
     return rows
 
 
-SWEEP_CFGS = {128: [(64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)],
-              256: [(64, 64, 4, 2), (128, 64, 8, 2)]}
-SCALE_MODES = ("regs", "regs_now", "tma", "load")
-DECODE_SWEEP = [dict(), dict(waves=4, block_n=64), dict(waves=4, block_n=32), dict(num_stages=2)]
+# earlier sweeps (results/lowbit_attention.json "sweep" rows of 2026-11-29) settled the tile shapes; this one
+# compares the two TMA ways of loading the scales
+SWEEP_CFGS = {128: [(64, 128, 4, 3)], 256: [(64, 64, 4, 2)]}
+SCALE_MODES = ("tma", "tma_pair")
+DECODE_SWEEP = []
 
 
 def _sweep_variants():
@@ -250,7 +253,6 @@ def _run_variant(v, time_it=True):
     q, k, v_ = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
     kla.USE_TMA = v["tma"]
-    kla.PIPELINE_QK = v.get("pipe", False)
     fa.USE_TMA = "auto" if v["tma"] else False
     try:
         if v["kind"] == "ours_bf16":
@@ -278,7 +280,7 @@ def _run_variant(v, time_it=True):
         return f"{type(e).__name__}: {str(e)[:300]}"
     finally:
         kla.CONFIG_OVERRIDE.clear()
-        kla.USE_TMA, kla.PIPELINE_QK = "auto", False
+        kla.USE_TMA = "auto"
         fa.USE_TMA = "auto"
 
 
@@ -367,6 +369,9 @@ def _precompile_task(task):
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+PRECOMPILED = False  # main() compiled everything up front
+
+
 def precompile(tasks, workers=12):
     """Compile the kernels of `tasks` in parallel processes first: compiling one by one would take most of the
     (scarce) GPU time of a benchmark run."""
@@ -388,7 +393,8 @@ def sweep():
     from hf_fastpath.kernels import lowbit_decode as ld
 
     variants, dvariants = _sweep_variants(), _decode_variants()
-    precompile([("variant", v, {}) for v in variants] + [("decode_variant", v, {}) for v in dvariants])
+    if not PRECOMPILED:
+        precompile([("variant", v, {}) for v in variants] + [("decode_variant", v, {}) for v in dvariants])
     rows = []
     for v in variants:
         rows.append(dict(v, tflops=_run_variant(v)))
@@ -541,6 +547,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="first time candidate kernel configs; the run uses the best")
     ap.add_argument("--no-precompile", action="store_true", help="compile in the timing process only")
+    ap.add_argument("--one-precompile", action="store_true", help="compile sweep and tables in one stage")
+    ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.plot:
@@ -550,12 +558,19 @@ def main():
     res = dict(env=_env())
     _log(res["env"])
     path = os.path.join(args.out, "lowbit_attention.json")
-    steps = [("checks", gpu_checks), ("prefill", prefill_cases), ("e2e_breakdown", e2e_breakdown),
-             ("decode", decode_cases)]
+    steps = [("checks", gpu_checks), ("prefill", prefill_cases), ("e2e_breakdown", e2e_breakdown)]
+    if not args.skip_decode:
+        steps.append(("decode", decode_cases))
     if args.sweep:
         steps.insert(0, ("sweep", sweep))
+    if args.one_precompile and not args.no_precompile:  # everything in one parallel stage (default configs)
+        global PRECOMPILED
+        tasks = [("variant", v, {}) for v in (_sweep_variants() if args.sweep else [])]
+        tasks += [("checks", None, {})] + [("prefill", (d, c), {}) for d in HEADS for c in (False, True)]
+        res["precompile_errors"] = precompile(tasks + ([] if args.skip_decode else [("decode", None, {})]))
+        PRECOMPILED = True
     for name, fn in steps:
-        if name == "checks" and not args.no_precompile:  # after the sweep: compile with its winners, in parallel
+        if name == "checks" and not args.no_precompile and not PRECOMPILED:  # compile with the sweep winners
             from hf_fastpath.kernels import lowbit_attention as kla
             from hf_fastpath.kernels import lowbit_decode as ld
 

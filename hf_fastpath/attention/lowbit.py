@@ -54,9 +54,21 @@ def quantize_for_attention(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, tor
     return q8.contiguous(), s.contiguous()
 
 
-def _forward(q, k, v, fmt, p_fp4, kw):
-    """Raw forward: `(out, lse)` in the layouts of `reference.attention_forward`."""
+def _forward(q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False):
+    """Raw forward: `(out, lse)` in the layouts of `reference.attention_forward`. Q and K use `qk_fmt` when given.
+    `rotate`: Q, K, V times the orthonormal Hadamard matrix before quantizing (fused into the quantizer where it
+    can be), the output times its inverse (itself) after."""
+    qk_fmt = qk_fmt or fmt
     varlen = kw["cu_seqlens_q"] is not None
+    h = hadamard(q.shape[-1], q.device, q.dtype) if rotate else None
+    fused = rotate and interface.use_triton(q) and kla.can_fuse_rotation(q.shape[-1])
+    if rotate and not fused:
+        q, k, v = q @ h, k @ h, v @ h
+    out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen)
+    return (out @ h if rotate else out), lse
+
+
+def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen):
     if interface.use_triton(q):
         if varlen:
             cu_q, cu_k = kw["cu_seqlens_q"].to(torch.int32), kw["cu_seqlens_k"].to(torch.int32)
@@ -66,9 +78,9 @@ def _forward(q, k, v, fmt, p_fp4, kw):
             cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
             cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
             max_q = sq
-        q8, qs = kla.quantize_e4m3_rows(q, fmt)
-        k8, ks = kla.quantize_e4m3_rows(k, fmt)
-        vt8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True)
+        q8, qs = kla.quantize_e4m3_rows(q, qk_fmt, rotate=fused)
+        k8, ks = kla.quantize_e4m3_rows(k, qk_fmt, rotate=fused)
+        vt8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True, rotate=fused)
         out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, cu_seqlens_q=cu_q,
                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],
                                             softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, out_dtype=q.dtype)
@@ -84,11 +96,11 @@ def _forward(q, k, v, fmt, p_fp4, kw):
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
         for sl_q, sl_k in spans:
             o, l = kla.lowbit_attention_emulated(q[sl_q], k[sl_k], v[sl_k], fmt=fmt, causal=kw["causal"],
-                                                 softmax_scale=kw["softmax_scale"], p_fp4=p_fp4)
+                                                 softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, qk_fmt=qk_fmt)
             out[sl_q], lse[:, sl_q] = o, l
         return out.to(q.dtype), lse
     outs, lses = zip(*(kla.lowbit_attention_emulated(q[i], k[i], v[i], fmt=fmt, causal=kw["causal"],
-                                                      softmax_scale=kw["softmax_scale"], p_fp4=p_fp4)
+                                                      softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, qk_fmt=qk_fmt)
                        for i in range(q.shape[0])))
     return torch.stack(outs).to(q.dtype), torch.stack(lses)
 
@@ -108,8 +120,8 @@ def _packed_decode(q, k, v, softmax_scale, return_lse):
 
 class _LowBitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fmt, p_fp4, kw):
-        out, lse = _forward(q, k, v, fmt, p_fp4, kw)
+    def forward(ctx, q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False):
+        out, lse = _forward(q, k, v, fmt, p_fp4, kw, qk_fmt, rotate)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kw = kw
         ctx.mark_non_differentiable(lse)
@@ -118,9 +130,10 @@ class _LowBitAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        # straight-through: gradients of bf16 attention, evaluated at the low-precision forward's out/lse
+        # straight-through: gradients of bf16 attention, evaluated at the low-precision forward's out/lse (the
+        # rotation leaves attention unchanged, so the unrotated inputs serve)
         dq, dk, dv = interface.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 _HADAMARD: dict = {}
@@ -137,32 +150,22 @@ def hadamard(d: int, device, dtype) -> torch.Tensor:
     return _HADAMARD[key]
 
 
-class _Rotated(torch.autograd.Function):
-    """x @ H with the exact inverse in backward (H orthonormal and symmetric)."""
-
-    @staticmethod
-    def forward(ctx, x, h):
-        ctx.save_for_backward(h)
-        return x @ h
-
-    @staticmethod
-    def backward(ctx, g):
-        (h,) = ctx.saved_tensors
-        return g @ h, None
-
-
 def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal=False, softmax_scale=None,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False, backend="auto",
-                     dropout_p=0.0):
+                     dropout_p=0.0, qk_format=None):
     """Attention with Q/K/V (and P) in `fmt` ("fp8", "mxfp4", "nvfp4"); arguments as `hf_fastpath.attention`.
     `p_format`: "fp8", "fp4", or "auto" (FP4 P only on GPUs with FP4 tensor cores, sm_100+; FP8 P otherwise).
     `rotate`: multiply Q, K, V by an orthonormal Hadamard matrix along the head dim before quantizing (and the output
     by its inverse): q.k and P.V are unchanged, outlier channels are spread over all channels, so the per-token
     scales waste less range (as FlashAttention-3's FP8 "incoherent processing"). Per token: still causally safe.
-    Only for power-of-two head dims. `backend` is accepted for signature compatibility; the bf16 fallback uses it."""
+    Only for power-of-two head dims. `backend` is accepted for signature compatibility; the bf16 fallback uses it.
+    `qk_format`: quantize Q and K in this format instead of `fmt` (e.g. "fp8" with an FP4 `fmt`: FP4 keys cost
+    most of FP4 attention's error, FP4 values little; see benchmarks/results/lowbit_accuracy.json)."""
     if fmt not in lq.FORMATS:
         raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
+    if qk_format is not None and qk_format not in lq.FORMATS:
+        raise ValueError(f"unknown low-bit qk_format {qk_format!r}; choose one of {lq.FORMATS}")
     window_size = tuple(int(w) for w in window_size)
     if hasattr(k, "packed_cache_view"):  # keys/values straight from a LowBitCache(packed_decode=True)
         plain = (window_size == (-1, -1) and not softcap and alibi_slopes is None and not dropout_p
@@ -187,6 +190,8 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
         _warn_once(f"fp4dim:{d}", f"{fmt} needs a head dim that is a multiple of {lq.BLOCK[fmt]} (got {d}); "
                                   "using fp8 attention instead.")
         fmt = "fp8"
+    if qk_format not in (None, "fp8") and d % lq.BLOCK[qk_format]:
+        qk_format = "fp8"
     if v.shape[-1] != d or k.shape[-1] != d:
         raise ValueError(f"low-bit attention needs equal q/k/v head dims, got {d}, {k.shape[-1]}, {v.shape[-1]}")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -200,13 +205,8 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
     kw = dict(causal=bool(causal), softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=0.0, alibi_slopes=None)
-    if rotate and d >= 16 and d & (d - 1) == 0:
-        h = hadamard(d, q.device, q.dtype)
-        out, lse = _LowBitAttention.apply(_Rotated.apply(q, h), _Rotated.apply(k, h), _Rotated.apply(v, h), fmt,
-                                          _resolve_p_fp4(p_format, q.device), kw)
-        out = _Rotated.apply(out, h)  # H is symmetric and orthonormal: its own inverse
-    else:
-        out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw)
+    rotate = bool(rotate) and d >= 16 and d & (d - 1) == 0
+    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw, qk_format, rotate)
     return (out, lse) if return_lse else out
 
 

@@ -116,24 +116,30 @@ def _ld_global(ptrs, mask, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _token_scales(S, k_start, k_len, hk, start_n, T_S, HKV: tl.constexpr, BLOCK_N: tl.constexpr,
+def _token_scales(KS, VS, k_start, k_len, hk, start_n, T_S, HKV: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, SCALE_LOAD: tl.constexpr, EMULATE: tl.constexpr):
-    """Per-token scales of one key block. SCALE_LOAD 0: `tl.load` from `[T, Hkv]`; 1: TMA descriptor over a
-    transposed `[Hkv, T_S]` copy; 2, 3: register loads from that copy (indices clamped to it; 2: the caller loads
-    one block ahead)."""
+    """Per-token K and V scales of one key block. SCALE_LOAD 0: `tl.load` from `[T, Hkv]`; 1: TMA descriptors
+    over transposed `[Hkv, T_S]` copies; 2: register loads from those copies (indices clamped to them); 3: one TMA
+    descriptor over `[Hkv * 2, T_S]` (rows 2h, 2h + 1: K and V scales of KV head h) in KS."""
     if SCALE_LOAD == 1:
-        out = tl.reshape(S.load([hk, k_start + start_n]), (BLOCK_N,))
-    elif SCALE_LOAD >= 2:
+        ks = tl.reshape(KS.load([hk, k_start + start_n]), (BLOCK_N,))
+        vs = tl.reshape(VS.load([hk, k_start + start_n]), (BLOCK_N,))
+    elif SCALE_LOAD == 3:
+        ks, vs = tl.split(tl.permute(KS.load([2 * hk, k_start + start_n]), (1, 0)))
+    elif SCALE_LOAD == 2:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        ok = offs_n < k_len
-        out = _ld_global(S + hk * T_S + tl.minimum(k_start + offs_n, T_S - 1), ok, EMULATE)
+        idx = hk * T_S + tl.minimum(k_start + offs_n, T_S - 1)
+        ks = _ld_global(KS + idx, offs_n < k_len, EMULATE)
+        vs = _ld_global(VS + idx, offs_n < k_len, EMULATE)
     else:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
-            out = tl.load(S + (k_start + offs_n) * HKV + hk, mask=offs_n < k_len, other=0.0)
+            ks = tl.load(KS + (k_start + offs_n) * HKV + hk, mask=offs_n < k_len, other=0.0)
+            vs = tl.load(VS + (k_start + offs_n) * HKV + hk, mask=offs_n < k_len, other=0.0)
         else:
-            out = tl.load(S + (k_start + offs_n) * HKV + hk)
-    return out
+            ks = tl.load(KS + (k_start + offs_n) * HKV + hk)
+            vs = tl.load(VS + (k_start + offs_n) * HKV + hk)
+    return ks, vs
 
 
 @triton.jit
@@ -222,7 +228,7 @@ def _prefix_max_kernel(VS, OUT, CU_K, HKV: tl.constexpr, BLOCK: tl.constexpr):
 def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, qk_scale, T_K_PAD, T_Q, T_S,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        CAUSAL: tl.constexpr, LOWP: tl.constexpr, SCALED: tl.constexpr, P_FP4: tl.constexpr,
-                       EMULATE: tl.constexpr, USE_TMA: tl.constexpr, SCALE_LOAD: tl.constexpr, PIPE: tl.constexpr,
+                       EMULATE: tl.constexpr, USE_TMA: tl.constexpr, SCALE_LOAD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) start first: less tail at the end of the grid
@@ -268,59 +274,22 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, qk_scale,
         full = tl.minimum(full, hi)
         ks = tl.zeros([BLOCK_N], dtype=tl.float32)  # placeholders when unscaled
         vs = ks
-        if PIPE:  # Q.K^T of the next block is issued before the softmax of this one: MMA and ALU overlap
-            if full > 0:
-                qk = _k_scores(q, K, k_start, k_len, hk, 0, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
-                for start_n in tl.range(BLOCK_N, full, BLOCK_N):
-                    qk_next = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE,
-                                        USE_TMA)
-                    if SCALED:
-                        ks = _token_scales(KS, k_start, k_len, hk, start_n - BLOCK_N, T_S, HKV, BLOCK_N, False,
-                                           SCALE_LOAD, EMULATE)
-                        vs = _token_scales(VS, k_start, k_len, hk, start_n - BLOCK_N, T_S, HKV, BLOCK_N, False,
-                                           SCALE_LOAD, EMULATE)
-                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk,
-                                                start_n - BLOCK_N, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M,
-                                                BLOCK_N, False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
-                    qk = qk_next
-                if SCALED:
-                    ks = _token_scales(KS, k_start, k_len, hk, full - BLOCK_N, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
+        for start_n in tl.range(0, full, BLOCK_N):
+            if SCALED:
+                ks, vs = _token_scales(KS, VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
                                        EMULATE)
-                    vs = _token_scales(VS, k_start, k_len, hk, full - BLOCK_N, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
-                                       EMULATE)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk,
-                                            full - BLOCK_N, offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N,
-                                            False, CAUSAL, LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
-        else:
-            if SCALED and SCALE_LOAD == 2:  # register loads one block ahead: their latency hides behind a block
-                ks_next = _token_scales(KS, k_start, k_len, hk, 0, T_S, HKV, BLOCK_N, False, SCALE_LOAD, EMULATE)
-                vs_next = _token_scales(VS, k_start, k_len, hk, 0, T_S, HKV, BLOCK_N, False, SCALE_LOAD, EMULATE)
-            for start_n in tl.range(0, full, BLOCK_N):
-                if SCALED:
-                    if SCALE_LOAD == 2:
-                        ks = ks_next
-                        vs = vs_next
-                        ks_next = _token_scales(KS, k_start, k_len, hk, start_n + BLOCK_N, T_S, HKV, BLOCK_N, False,
-                                                SCALE_LOAD, EMULATE)
-                        vs_next = _token_scales(VS, k_start, k_len, hk, start_n + BLOCK_N, T_S, HKV, BLOCK_N, False,
-                                                SCALE_LOAD, EMULATE)
-                    else:
-                        ks = _token_scales(KS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
-                                           EMULATE)
-                        vs = _token_scales(VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
-                                           EMULATE)
-                qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n,
-                                            offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                            LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
+            qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n, offs_m,
+                                        diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, False, CAUSAL, LOWP, SCALED,
+                                        P_FP4, EMULATE, USE_TMA)
         for start_n in tl.range(full, hi, BLOCK_N):
             if SCALED:
-                ks = _token_scales(KS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, True, SCALE_LOAD, EMULATE)
-                vs = _token_scales(VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, True, SCALE_LOAD, EMULATE)
+                ks, vs = _token_scales(KS, VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, True, SCALE_LOAD,
+                                       EMULATE)
             qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, True, EMULATE, USE_TMA)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n,
-                                        offs_m, diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                        LOWP, SCALED, P_FP4, EMULATE, USE_TMA)
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n, offs_m,
+                                        diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, True, CAUSAL, LOWP, SCALED,
+                                        P_FP4, EMULATE, USE_TMA)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]  # acc and l both carry the factor 2**lv
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe) - lv) * 0.6931471805599453, float("-inf"))
@@ -339,12 +308,13 @@ def _to_e4m3(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(X, Y, S_OUT, stride_b, stride_s, stride_h, S, T_PAD,
+def _quant_rows_kernel(X, Y, S_OUT, HAD, rot_scale, stride_b, stride_s, stride_h, S, T_PAD,
                        H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FMT: tl.constexpr,
-                       TRANSPOSE: tl.constexpr, BLOCK_T: tl.constexpr, EMULATE: tl.constexpr):
+                       TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, EMULATE: tl.constexpr):
     """Rows of x `[B, S, H, D]` (any strides, unit along D) -> e4m3 `[B*S, H, D]` (or `[H, D, T_PAD]` with
     TRANSPOSE) and fp32 row scales `[B*S, H]`. FMT 0: fp8 per row; 1: MXFP4 values; 2: NVFP4 values (in e4m3
-    containers, as `lowbit_quant.fp4_rows_to_e4m3`)."""
+    containers, as `lowbit_quant.fp4_rows_to_e4m3`). ROTATE: rows times the +-1 Hadamard matrix HAD `[D, D]` (in
+    x's dtype: exact products, fp32 sums) times rot_scale = 1/sqrt(D) first, saving a pass over x."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -354,8 +324,14 @@ def _quant_rows_kernel(X, Y, S_OUT, stride_b, stride_s, stride_h, S, T_PAD,
     t_ok = offs_t < S
     d_ok = offs_d < D
     x = tl.load(X + b * stride_b + offs_t[:, None] * stride_s + h * stride_h + offs_d[None, :],
-                mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    x = tl.minimum(tl.maximum(x, -3.0e38), 3.0e38)
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROTATE:
+        had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
+        if EMULATE or x.dtype == tl.float32:
+            x = tl.dot(x.to(tl.float32), had.to(tl.float32), input_precision="ieee") * rot_scale
+        else:
+            x = tl.dot(x, had.to(x.dtype)) * rot_scale
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -3.0e38), 3.0e38)
     if FMT == 0:
         amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
         row = amax / 448.0
@@ -397,9 +373,29 @@ def _quant_rows_kernel(X, Y, S_OUT, stride_b, stride_s, stride_h, S, T_PAD,
 _FMT_CODE = {"fp8": 0, "mxfp4": 1, "nvfp4": 2}
 
 
-def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False):
+_HADAMARD_PM1: dict = {}
+
+
+def hadamard_pm1(d: int, device) -> torch.Tensor:
+    """Sylvester-Hadamard matrix of +-1 entries `[d, d]` fp32 (symmetric; H @ H = d * I), cached per device."""
+    key = (d, str(device))
+    if key not in _HADAMARD_PM1:
+        h = torch.ones(1, 1)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD_PM1[key] = h.to(device)
+    return _HADAMARD_PM1[key]
+
+
+def can_fuse_rotation(d: int) -> bool:
+    """The quantizer can apply the head-dim rotation itself (a power of two >= 32: one tile row per token)."""
+    return d >= 32 and d & (d - 1) == 0
+
+
+def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotate: bool = False):
     """Fused Triton version of `quantize_for_attention`: x `[B, S, H, D]` or `[T, H, D]` (unit stride along D) ->
-    (e4m3 `[B*S, H, D]`, or `[H, D, T_pad]` with `transpose`; fp32 scales `[B*S, H]`)."""
+    (e4m3 `[B*S, H, D]`, or `[H, D, T_pad]` with `transpose`; fp32 scales `[B*S, H]`). `rotate`: quantize
+    x @ (orthonormal Hadamard) instead (needs `can_fuse_rotation(D)`)."""
     if x.dim() == 3:
         x = x[None]
     if x.stride(-1) != 1:
@@ -413,10 +409,14 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False):
     else:
         y = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
+    if rotate and not can_fuse_rotation(d):
+        raise ValueError(f"the fused rotation needs a power-of-two head dim >= 32, got {d}")
+    had = hadamard_pm1(d, x.device) if rotate else scale
     block_t = 32 if interpreting() else 64
     _quant_rows_kernel[(_cdiv(s, block_t), b * h)](
-        x, y, scale, x.stride(0), x.stride(1), x.stride(2), s, t_pad, H=h, D=d, D_PAD=d_pad, FMT=_FMT_CODE[fmt],
-        TRANSPOSE=transpose, BLOCK_T=block_t, EMULATE=interpreting(), num_warps=4)
+        x, y, scale, had, 1.0 / math.sqrt(d), x.stride(0), x.stride(1), x.stride(2), s, t_pad, H=h, D=d, D_PAD=d_pad,
+        FMT=_FMT_CODE[fmt], TRANSPOSE=transpose, ROTATE=bool(rotate), BLOCK_T=block_t, EMULATE=interpreting(),
+        num_warps=4)
     return y, scale
 
 
@@ -428,13 +428,13 @@ _CONFIGS = {(128, True): (64, 128, 4, 3, "tma"), (128, False): (128, 128, 8, 3),
 CONFIG_OVERRIDE: dict = {}  # (d_pad, lowp, p_fp4) -> (BLOCK_M, BLOCK_N, warps, stages); benchmarks sweep this
 # "auto": K/V tiles by bulk tensor copies (TMA) on sm_90+ when the layout allows; False/True force it.
 USE_TMA = "auto"
-# per-token K/V scales in the loop: "tma" (bulk copies from a transposed `[Hkv, T]` copy; with TMA K/V only,
-# else "load"), "load" (Triton's pipelined loads through shared memory: a block-wide barrier per key block),
-# "regs" (plain loads one block ahead, from the transposed copy) or "regs_now" (the same, in the block itself).
-# A 5th entry of a launch config overrides it. H200, hd 128: tma 635, load 596, regs_now 503, regs 385 TFLOP/s.
+# per-token K/V scales in the loop: "tma" (bulk copies from transposed `[Hkv, T]` copies; with TMA K/V only, else
+# "load"), "tma_pair" (one bulk copy per block from an interleaved `[Hkv * 2, T]` copy), "load" (Triton's pipelined
+# loads through shared memory: a block-wide barrier per key block) or "regs" (plain loads from the transposed
+# copies). A 5th entry of a launch config overrides it. H200, hd 128, 64x128 tiles: tma 635, load 596, regs 503,
+# regs loaded one block ahead 385, unit scales (no scale work) 849 TFLOP/s.
 SCALE_LOAD = "tma"
-_SCALE_MODES = {"load": 0, "tma": 1, "regs": 2, "regs_now": 3}
-PIPELINE_QK = False  # issue the next block's Q.K^T before this block's softmax (unmasked blocks)
+_SCALE_MODES = {"load": 0, "tma": 1, "regs": 2, "tma_pair": 3}
 _TMA_FAILED: set = set()  # launch configs whose TMA variant did not fit in shared memory
 
 
@@ -520,60 +520,71 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
             cu_seqlens_k, scale * LOG2E, vt.shape[-1], tq, t_s,
             H=h, HKV=hkv, D=d, D_PAD=d_pad, CAUSAL=bool(causal), LOWP=lowp, SCALED=scaled,
             P_FP4=bool(p_fp4) and lowp, EMULATE=interpreting(), USE_TMA=tma, SCALE_LOAD=scale_load,
-            PIPE=bool(PIPELINE_QK), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )
 
     key = (d_pad, q.dtype, cfg)
     desc = None if key in _TMA_FAILED else _tma_descriptors(k, vt, d, d_pad, block_n)
     mode = _SCALE_MODES[cfg[4] if len(cfg) > 4 else SCALE_LOAD] if scaled else 0
-    if mode == 1 and desc is None:
+    if mode in (1, 3) and desc is None:
         mode = 0
-    ks_arg, vs_arg, t_s = (k_scale, v_scale, 1) if scaled else (dummy, dummy, 1)
-    if mode:
-        (ks_arg, vs_arg), t_s = (_transposed(x) for x in (k_scale, v_scale)), _cdiv(k_scale.shape[0], 4) * 4
-    if desc is not None:
+    t_s = _cdiv(k.shape[0], 4) * 4
+    if desc is not None and mode in (1, 3):
+        if mode == 1:
+            sk, sv = (_scale_descriptor(_transposed(x), 1, block_n) for x in (k_scale, v_scale))
+        else:
+            sk = sv = _scale_descriptor(_transposed(k_scale, v_scale), 2, block_n)
         try:
-            sk, sv = (_scale_descriptor(x, block_n) for x in (ks_arg, vs_arg)) if mode == 1 else (ks_arg, vs_arg)
             launch(desc[0], sk, desc[1], sv, True, mode, t_s)
             return out, lse
         except triton.runtime.errors.OutOfResources:  # staging buffers too large: plain loads instead
             _TMA_FAILED.add(key)
-            if mode == 1:
-                mode, ks_arg, vs_arg, t_s = 0, k_scale, v_scale, 1
+            mode = 0
+    ks_arg, vs_arg = (k_scale, v_scale) if scaled else (dummy, dummy)
+    if mode == 2:
+        ks_arg, vs_arg = _transposed(k_scale), _transposed(v_scale)
+    if desc is not None:
+        try:
+            launch(desc[0], ks_arg, desc[1], vs_arg, True, mode, t_s)
+            return out, lse
+        except triton.runtime.errors.OutOfResources:
+            _TMA_FAILED.add(key)
     launch(k, ks_arg, vt, vs_arg, False, mode, t_s)
     return out, lse
 
 
-def _transposed(scale):
-    """fp32 `[T, Hkv]` -> `[Hkv, T_pad]` (T padded to 4: 16-byte aligned rows for TMA)."""
-    t, hkv = scale.shape
-    st = torch.zeros(hkv, _cdiv(t, 4) * 4, dtype=torch.float32, device=scale.device)
-    st[:, :t] = scale.t()
-    return st
+def _transposed(*scales):
+    """fp32 `[T, Hkv]` scales -> `[Hkv * n, T_pad]` (the n arrays interleaved per head; T padded to 4: 16-byte
+    aligned rows for TMA)."""
+    t, hkv = scales[0].shape
+    st = torch.zeros(hkv, len(scales), _cdiv(t, 4) * 4, dtype=torch.float32, device=scales[0].device)
+    for i, x in enumerate(scales):
+        st[:, i, :t] = x.t()
+    return st.view(hkv * len(scales), -1)
 
 
-def _scale_descriptor(st, block_n):
+def _scale_descriptor(st, rows, block_n):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    hkv, t_pad = st.shape
-    return TensorDescriptor(st, [hkv, t_pad], [t_pad, 1], [1, block_n])
+    n, t_pad = st.shape
+    return TensorDescriptor(st, [n, t_pad], [t_pad, 1], [rows, block_n])
 
 
 def lowbit_attention_emulated(q, k, v, *, fmt="fp8", causal=False, softmax_scale=None, p_fp4=False,
-                              lowp_p=True):
+                              lowp_p=True, qk_fmt=None):
     """Float emulation of the quantized arithmetic, one sequence: q `[Sq,H,D]`, k/v `[Sk,Hkv,D]` (any float).
-    Quantizes Q/K/V exactly like the kernel path; P is rounded relative to the final row max and the max V scale
+    Quantizes Q/K/V exactly like the kernel path (Q and K in `qk_fmt` when given); P is rounded relative to the final row max and the max V scale
     over visible keys (the kernel uses running maxima, so the two agree up to one rounding of P).
     Returns out `[Sq,H,D]` fp32 and lse `[H,Sq]`."""
     sq, h, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
-    def quant(x):
-        qr = lq.quantize_rows(x, fmt, check=False)
-        return lq.quantize_fp8(x, check=False) if fmt == "fp8" else lq.fp4_rows_to_e4m3(qr)
+    def quant(x, f):
+        return lq.quantize_fp8(x, check=False) if f == "fp8" else lq.fp4_rows_to_e4m3(lq.quantize_rows(x, f,
+                                                                                                      check=False))
 
-    (q8, qs), (k8, ks), (v8, vs) = quant(q), quant(k), quant(v)
+    (q8, qs), (k8, ks), (v8, vs) = quant(q, qk_fmt or fmt), quant(k, qk_fmt or fmt), quant(v, fmt)
     rep = h // hkv
     qf = q8.float().transpose(0, 1)
     kf = k8.float().transpose(0, 1).repeat_interleave(rep, 0)
