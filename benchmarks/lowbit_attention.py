@@ -526,7 +526,7 @@ def plot(path, png):
     ax.set_xticks([x + 0.4 for x in range(len(rows))], labels, rotation=60, fontsize=8)
     ax.set_ylabel("forward TFLOP/s")
     ax.set_title(f"prefill forward, 16k tokens/batch ({res['env']['gpu']})")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower left", ncol=2)
     ax = axes[1]
     rows = res["decode"]
     for n in rows[0]["us_cudagraph"]:

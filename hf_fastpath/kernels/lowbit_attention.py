@@ -5,14 +5,21 @@ token's output, and prefill equals token-by-token decode up to rounding):
 - Q, K: e4m3 values with one fp32 scale per token; S = (Q8 K8^T) * q_scale * k_scale * softmax_scale, in fp32.
 - Softmax in fp32 (online, exp2). The denominator uses the unquantized fp32 probabilities.
 - V: e4m3 with one fp32 scale per token. That scale lies along the PV contraction, so it is folded into P before P
-  is quantized: P'_ij = P_ij * v_scale_j / vmax_i * 256, where vmax_i is the running max of v_scale over the keys
-  query i can see (only earlier tokens under causal masking: causally safe). P' is rounded to e4m3 (or, with
-  `p_fp4`, to E2M1 with one power-of-two scale per 32 keys, held exactly in e4m3) and fed to the FP8 tensor cores.
+  is quantized: P'_ij = P_ij * v_scale_j * 256 / vmax_i, where vmax_i is the largest V scale among the keys query i
+  sees (a prefix max over the sequence: only earlier tokens under causal masking, so causally safe; computed once,
+  `_prefix_max_kernel`). The factor 256 / vmax_i is folded into the exponent (one FMA per score), so P' <= 256 fits
+  e4m3. P' is rounded to e4m3 (or, with `p_fp4`, to E2M1 with one power-of-two scale per 32 keys, held exactly in
+  e4m3) and fed to the FP8 tensor cores.
 - FP4 Q/K/V are handed to this kernel already expanded into e4m3 containers (`lowbit_quant.fp4_rows_to_e4m3`):
   every E2M1 value is exact in e4m3, so FP4 numerics run on Hopper's FP8 tensor cores. (On Hopper `tl.dot_scaled`
   is emulated through bf16 and would be slower; native FP4 MMA needs sm_100.)
 - V is passed transposed (`[Hkv, D, T]`, tokens contiguous): Hopper's FP8 MMA wants its second operand K-major.
 - `lowp=False` runs the same kernel on bf16/fp16 operands with unit scales (our bf16 baseline).
+
+Speed (H200, see `_CONFIGS`): one warpgroup per program, K/V tiles and the per-token scales by TMA, nothing in the
+key loop that reduces across warps. Per element of the score tile the FP8 path does one multiply by the K scale,
+the row max, one FMA, exp2, the row sum, one multiply by the V scale and the cast; the two scale multiplies (and
+their registers) are what separates it from unit-scale FP8 (640 vs 850 TFLOP/s at hd 128).
 
 Layout: tokens flattened into rows with `cu_seqlens` (dense batches pass `arange(B+1) * S`): q `[Tq, H, D]`,
 k `[Tk, Hkv, D]`, vt `[Hkv, D, Tk_pad]`, scales `[T, H]`. Output `[Tq, H, D]` and lse `[H, Tq]` (natural log, fp32).
@@ -388,8 +395,10 @@ def hadamard_pm1(d: int, device) -> torch.Tensor:
 
 
 def can_fuse_rotation(d: int) -> bool:
-    """The quantizer can apply the head-dim rotation itself (a power of two >= 32: one tile row per token)."""
-    return d >= 32 and d & (d - 1) == 0
+    """The quantizer applies the head-dim rotation itself for powers of two in [32, 128]. (At 256 every program
+    reads the 256 KB matrix: on the H200 the fused hd-256 path was slower than a separate matmul, 660 vs 682
+    TFLOP/s end to end.)"""
+    return 32 <= d <= 128 and d & (d - 1) == 0
 
 
 def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotate: bool = False):
@@ -409,7 +418,7 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotat
     else:
         y = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
-    if rotate and not can_fuse_rotation(d):
+    if rotate and not (d >= 32 and d & (d - 1) == 0):
         raise ValueError(f"the fused rotation needs a power-of-two head dim >= 32, got {d}")
     had = hadamard_pm1(d, x.device) if rotate else scale
     block_t = 32 if interpreting() else 64
@@ -423,16 +432,16 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotat
 # (BLOCK_M, BLOCK_N, num_warps, num_stages[, scale loading]) per (padded head dim, low precision); measured on the
 # H200 with `benchmarks/lowbit_attention.py --sweep` (16k tokens; results/lowbit_attention.json): one warpgroup per
 # program and TMA for K/V and the scales win (~1.5x over pointer loads staged through shared memory).
-_CONFIGS = {(128, True): (64, 128, 4, 3, "tma"), (128, False): (128, 128, 8, 3), (256, True): (64, 64, 4, 2, "tma"),
-            (256, False): (128, 64, 8, 2)}
+_CONFIGS = {(128, True): (64, 128, 4, 3, "tma_pair"), (128, False): (128, 128, 8, 3),
+            (256, True): (64, 64, 4, 2, "tma_pair"), (256, False): (128, 64, 8, 2)}
 CONFIG_OVERRIDE: dict = {}  # (d_pad, lowp, p_fp4) -> (BLOCK_M, BLOCK_N, warps, stages); benchmarks sweep this
 # "auto": K/V tiles by bulk tensor copies (TMA) on sm_90+ when the layout allows; False/True force it.
 USE_TMA = "auto"
 # per-token K/V scales in the loop: "tma" (bulk copies from transposed `[Hkv, T]` copies; with TMA K/V only, else
 # "load"), "tma_pair" (one bulk copy per block from an interleaved `[Hkv * 2, T]` copy), "load" (Triton's pipelined
 # loads through shared memory: a block-wide barrier per key block) or "regs" (plain loads from the transposed
-# copies). A 5th entry of a launch config overrides it. H200, hd 128, 64x128 tiles: tma 635, load 596, regs 503,
-# regs loaded one block ahead 385, unit scales (no scale work) 849 TFLOP/s.
+# copies). A 5th entry of a launch config overrides it. H200, hd 128, 64x128 tiles, 16k non-causal: tma_pair 640,
+# tma 635-640, load 596, regs 503, regs loaded one block ahead 385, unit scales (no scale work) 849-855 TFLOP/s.
 SCALE_LOAD = "tma"
 _SCALE_MODES = {"load": 0, "tma": 1, "regs": 2, "tma_pair": 3}
 _TMA_FAILED: set = set()  # launch configs whose TMA variant did not fit in shared memory
