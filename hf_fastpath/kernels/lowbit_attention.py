@@ -41,7 +41,8 @@ import triton.language as tl
 
 from . import lowbit_quant as lq
 
-__all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "quantize_e4m3_rows", "P_SCALE", "interpreting"]
+__all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "quantize_e4m3_rows", "can_fuse_rotation", "hadamard_pm1",
+           "P_SCALE", "interpreting"]
 
 P_SCALE = 256.0  # probabilities (<= 1) are scaled into e4m3's range before rounding
 LOG2E = 1.4426950408889634
@@ -154,10 +155,10 @@ def _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start
                 HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOWP: tl.constexpr,
                 SCALED: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr):
-    """Online softmax and P.V of one key block, given its raw scores `qk` and token scales. Per element of the [BLOCK_M, BLOCK_N]
-    tile the FP8 path costs one multiply by the key scale, the row max, one FMA (row scale, max and V normaliser),
-    exp2, the row sum, one multiply by the V scale and the e4m3 cast: at FP8 MMA rates every extra op shows.
-    Nothing here reduces across warps."""
+    """Online softmax and P.V of one key block, given its raw scores `qk` and token scales. Per element of the
+    [BLOCK_M, BLOCK_N] tile the FP8 path costs one multiply by the key scale, the row max, one FMA (row scale, max
+    and V normaliser), exp2, the row sum, one multiply by the V scale and the e4m3 cast: at FP8 MMA rates every extra
+    op shows. Nothing here reduces across warps."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     col_ok = offs_n < k_len
     if SCALED:
@@ -582,8 +583,9 @@ def _scale_descriptor(st, rows, block_n):
 def lowbit_attention_emulated(q, k, v, *, fmt="fp8", causal=False, softmax_scale=None, p_fp4=False,
                               lowp_p=True, qk_fmt=None):
     """Float emulation of the quantized arithmetic, one sequence: q `[Sq,H,D]`, k/v `[Sk,Hkv,D]` (any float).
-    Quantizes Q/K/V exactly like the kernel path (Q and K in `qk_fmt` when given); P is rounded relative to the final row max and the max V scale
-    over visible keys (the kernel uses running maxima, so the two agree up to one rounding of P).
+    Quantizes Q/K/V exactly like the kernel path (Q and K in `qk_fmt` when given); P is rounded relative to the
+    final row max and the max V scale over visible keys (the kernel uses the running row max, so the two agree up
+    to one rounding of P).
     Returns out `[Sq,H,D]` fp32 and lse `[H,Sq]`."""
     sq, h, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
