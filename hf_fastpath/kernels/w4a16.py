@@ -24,8 +24,8 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
   * Split-K partial sums meet in an fp32 buffer through atomics, then one cast.
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
-Status (H200, benchmarks/results/w4a16.json, 2026-11-29): M = 1 runs at 0.7-1.9 TB/s of weight traffic, 1.1-1.8x
-cuBLAS bf16 (Llama-3 8B/70B shapes), from M = 8 ahead of torch's int4 tinygemm. The loop is ~2.6-3.2 instructions per
+Status (H200, benchmarks/results/w4a16_small_m.json, 2026-11-29): M = 1 runs at 0.9-2.0 TB/s of weight traffic,
+1.35-1.77x cuBLAS bf16 (Llama-3 8B/70B shapes), level with torch's int4 tinygemm, 2-4x ahead of it at M = 16. The loop is ~2.6-3.2 instructions per
 weight (SASS), so beyond ~3 TB/s the unpack itself would bind; ncu showed 20% occupancy (registers, shared memory)
 and 6.8 cycles per issued instruction at 8192x28672 before the last sweep.
 """
