@@ -16,7 +16,9 @@ def _add_quantize(sub):
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero point) quantization")
-    p.add_argument("--dataset", default=None, help="text file, datasets name, or 'bible' (default)")
+    p.add_argument("--dataset", default=None,
+                   help="calibration text: 'mixed' (default: Old Testament + Python language reference), "
+                   "'bible-calib', 'python-docs', a text file or a datasets name")
     p.add_argument("--num-samples", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--device", default=None)
