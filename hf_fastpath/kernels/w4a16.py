@@ -25,9 +25,9 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
 Status (H200, benchmarks/results/w4a16_small_m.json, 2026-11-29): M = 1 runs at 0.9-2.0 TB/s of weight traffic,
-1.35-1.77x cuBLAS bf16 (Llama-3 8B/70B shapes), level with torch's int4 tinygemm, 2-4x ahead of it at M = 16. The loop is ~2.6-3.2 instructions per
-weight (SASS), so beyond ~3 TB/s the unpack itself would bind; ncu showed 20% occupancy (registers, shared memory)
-and 6.8 cycles per issued instruction at 8192x28672 before the last sweep.
+1.35-1.77x cuBLAS bf16 (Llama-3 8B/70B shapes), level with torch's int4 tinygemm, 2-4x ahead of it at M = 16.
+The loop is ~2.6-3.2 instructions per weight (SASS), so beyond ~3 TB/s the unpack itself would bind; ncu showed
+20% occupancy (registers, shared memory) and 6.8 cycles per issued instruction at 8192x28672 before the last sweep.
 """
 
 from __future__ import annotations
@@ -265,8 +265,7 @@ def _decode_kernel(
             acc += s[:, None] * (part - zb[:, None] * xsum[None, :])
         else:
             if PER_ROW_GROUPS:
-                s2 = s1
-                z2 = z1
+                s2, z2 = s1, z1
             else:
                 s2 = tl.broadcast_to(s1[:, None], (BLOCK_N, BLOCK_K8))
                 z2 = tl.broadcast_to(z1[:, None], (BLOCK_N, BLOCK_K8))
