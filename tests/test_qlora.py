@@ -99,11 +99,11 @@ def adapter_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def lora_pair(dtype, *, act_order=False, use_dora=False):
+def lora_pair(dtype, *, act_order=False, use_dora=False, lora_bias=False):
     up = random_w4a16(64, 40, 32, dtype, act_order=act_order, seed=0)
     down = random_w4a16(40, 24, 8, dtype, bias=False, seed=1)
     quant, ref = MLP(up, down), MLP(float_twin(up), float_twin(down))
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"], use_dora=use_dora)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"], use_dora=use_dora, lora_bias=lora_bias)
     torch.manual_seed(0)
     quant = get_peft_model(quant, copy.deepcopy(config))
     torch.manual_seed(0)
@@ -176,16 +176,7 @@ def test_lora_gradients_through_triton_kernels(monkeypatch, use_dora):
 def test_lora_in_bf16_matches_float32_with_fp32_adapter_grads(lora_bias):
     """bf16 activations: the adapter product runs in bf16 (fused addmm; PEFT's arithmetic when lora_B has a bias), the
     adapter weights and their gradients stay fp32, and output / gradients match the float32 reference."""
-    up = random_w4a16(64, 40, 32, torch.bfloat16, seed=0)
-    down = random_w4a16(40, 24, 8, torch.bfloat16, bias=False, seed=1)
-    quant, ref = MLP(up, down), MLP(float_twin(up), float_twin(down))
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"], lora_bias=lora_bias)
-    torch.manual_seed(0)
-    quant = get_peft_model(quant, copy.deepcopy(config))
-    torch.manual_seed(0)
-    ref = get_peft_model(ref, copy.deepcopy(config))
-    randomize_adapters(quant)
-    randomize_adapters(ref)
+    quant, ref = lora_pair(torch.bfloat16, lora_bias=lora_bias)
     adapters = [p for n, p in quant.named_parameters() if p.requires_grad]
     assert adapters and all(p.dtype == torch.float32 for p in adapters)
     yq, yr, gxq, gxr, gq, gr = run_pair(quant, ref, torch.bfloat16)
