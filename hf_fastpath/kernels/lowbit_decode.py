@@ -134,6 +134,149 @@ def _decode_split_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CA
     tl.store(L_PART + row, lse2, mask=g_ok)
 
 
+# E2M1 pairs -> fp16 on the GPU. Input: 4 packed bytes b0..b3 ($4). PRMT puts bytes into the high byte of 16-bit
+# lanes ({0, b0, 0, b1}); there the high nibble already has its sign on fp16's sign bit and needs its magnitude
+# (e1 e0 m) moved down 3 bits onto fp16's exponent low bits + top mantissa bit; the low nibble moves up 4 bits first.
+# The fp16 number is code * 2**-14 (the E2M1 subnormal 0.5 lands on fp16's subnormal 2**-15). Outputs: low nibbles
+# of (b0, b1), (b2, b3) in $0, $1 and high nibbles in $2, $3. 2 integer ops per value, no float math.
+_E2M1_F16_PTX = tl.constexpr("""{
+.reg .b32 x, y, t, u;
+prmt.b32 x, $4, 0, 0x1404;
+prmt.b32 y, $4, 0, 0x3424;
+shr.b32 t, x, 3;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 $2, x, 0x80008000, t, 0xEA;
+shr.b32 t, y, 3;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 $3, y, 0x80008000, t, 0xEA;
+shl.b32 u, x, 4;
+shl.b32 t, x, 1;
+and.b32 u, u, 0x80008000;
+lop3.b32 $0, t, 0x0E000E00, u, 0xEA;
+shl.b32 u, y, 4;
+shl.b32 t, y, 1;
+and.b32 u, u, 0x80008000;
+lop3.b32 $1, t, 0x0E000E00, u, 0xEA;
+}""")
+
+
+
+
+@triton.jit
+def _e2m1_unpack(byte, EMULATE: tl.constexpr, UNPACK: tl.constexpr):
+    """Packed bytes -> (low-nibble values, high-nibble values) of the same shape: fp16 numbers code * 2**-14
+    (fp32 under the interpreter)."""
+    if UNPACK == 1 and not EMULATE:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_F16_PTX, "=r,=r,=r,=r,r", [byte],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        x = byte.to(tl.int32)
+        lo = (((x & 7) << 9) | ((x & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((x & 0x70) << 5) | ((x & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        if EMULATE:
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _block_scales(BSC, ROWS, tok, n_ok, NB: tl.constexpr, FMT: tl.constexpr):
+    """Absolute fp32 scale of every (block, token) `[NB, BLOCK_N]`; 0 for tokens outside the range."""
+    offs_b = tl.arange(0, NB)
+    ptrs = BSC + tok[None, :] * NB + offs_b[:, None]
+    if FMT == 2:  # E8M0 byte e -> 2**(e - 127): the byte is the fp32 exponent field
+        e = tl.load(ptrs, mask=n_ok[None, :], other=0).to(tl.int32)
+        return (e << 23).to(tl.float32, bitcast=True)
+    else:
+        sb = tl.load(ptrs, mask=n_ok[None, :], other=0.0).to(tl.float32)
+        rs = tl.load(ROWS + tok, mask=n_ok, other=0.0)
+        return sb * rs[None, :]
+
+
+@triton.jit
+def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP, tokens_per_split, qk_scale,
+                       NUM_SPLITS, HQ: tl.constexpr, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                       FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+                       UNPACK: tl.constexpr):
+    """FP4 cache. The MMA rows are (query head, scale block) pairs: row (g, b) holds head g's query restricted to
+    block b's dims, so Q_rows . codes gives each block's partial score; the block scales then multiply [rows, keys]
+    partials (once per block, not once per value) and a sum over b gives the score. For P.V, row (g, b) of P
+    carries the V scales of block b, and only block b's output columns of that row are kept. The padding rows a
+    4-head GQA group would waste in a 16-row MMA carry the blocks instead. Codes are split by nibble (even / odd
+    head dims) so unpacking never reorders values: two dots of D/2 each."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    G: tl.constexpr = HQ // HKV
+    NB: tl.constexpr = D // BLOCK
+    R: tl.constexpr = G_PAD * NB
+    DH: tl.constexpr = D // 2
+    BB: tl.constexpr = BLOCK // 2  # packed bytes per scale block
+    offs_r = tl.arange(0, R)
+    r_g = offs_r // NB
+    r_b = offs_r % NB
+    offs_j = tl.arange(0, DH)
+    offs_nb = tl.arange(0, NB)
+    q_ok = (r_g < G)[:, None] & ((offs_j // BB)[None, :] == r_b[:, None])
+    q_ptr = Q + (b * HQ + hk * G + r_g)[:, None] * D + 2 * offs_j[None, :]
+    q_lo = tl.load(q_ptr, mask=q_ok, other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + 1, mask=q_ok, other=0.0).to(tl.float32)
+    if not EMULATE:  # fp16 MMA; a query beyond fp16's range saturates
+        q_lo = tl.minimum(tl.maximum(q_lo, -65504.0), 65504.0).to(tl.float16)
+        q_hi = tl.minimum(tl.maximum(q_hi, -65504.0), 65504.0).to(tl.float16)
+    base_tok = (b * HKV + hk) * S_CAP
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, kv_len)
+    acc_lo = tl.zeros([R, DH], dtype=tl.float32)
+    acc_hi = tl.zeros([R, DH], dtype=tl.float32)
+    m_i = tl.zeros([G_PAD], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    for n0 in tl.range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        tok = base_tok + offs_n
+        kb = tl.load(KD + tok[:, None] * DH + offs_j[None, :], mask=n_ok[:, None], other=0)
+        k_lo, k_hi = _e2m1_unpack(kb, EMULATE, UNPACK)
+        s_rows = tl.dot(q_lo, tl.trans(k_lo))
+        s_rows = tl.dot(q_hi, tl.trans(k_hi), s_rows)
+        ksc = _block_scales(KB, KR, tok, n_ok, NB, FMT)
+        # unpacked values are code * 2**-14: the 2**14 rides on the softmax scale
+        s = tl.sum(tl.reshape(s_rows, (G_PAD, NB, BLOCK_N)) * ksc[None, :, :], 1) * (qk_scale * 16384.0)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vb = tl.load(VD + tok[:, None] * DH + offs_j[None, :], mask=n_ok[:, None], other=0)
+        v_lo, v_hi = _e2m1_unpack(vb, EMULATE, UNPACK)
+        vsc = _block_scales(VB, VR, tok, n_ok, NB, FMT)
+        # P rows carry the V scales relative to the tile's largest (<= 1: no fp16 overflow); the largest and the
+        # codes' 2**14 go back on the product
+        vmax = tl.max(tl.max(vsc, 1), 0)
+        w = vsc * tl.where(vmax > 0, 1.0 / tl.maximum(vmax, 1e-37), 0.0)
+        p_rows = tl.reshape(p[:, None, :] * w[None, :, :], (R, BLOCK_N)).to(v_lo.dtype)
+        f = vmax * 16384.0
+        alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (G_PAD, NB)), (R,))
+        acc_lo = acc_lo * alpha_rows[:, None] + tl.dot(p_rows, v_lo) * f
+        acc_hi = acc_hi * alpha_rows[:, None] + tl.dot(p_rows, v_hi) * f
+        m_i = m_new
+    # row (g, b) is right only on block b's columns
+    keep = (offs_j // BB)[None, None, :] == offs_nb[None, :, None]
+    o_lo = tl.sum(tl.where(keep, tl.reshape(acc_lo, (G_PAD, NB, DH)), 0.0), 1)
+    o_hi = tl.sum(tl.where(keep, tl.reshape(acc_hi, (G_PAD, NB, DH)), 0.0), 1)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # log2 domain
+    offs_g = tl.arange(0, G_PAD)
+    g_ok = offs_g < G
+    row = (b * HQ + hk * G + offs_g) * NUM_SPLITS + split
+    o_ptr = O_PART + row[:, None] * D + 2 * offs_j[None, :]
+    tl.store(o_ptr, o_lo / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(o_ptr + 1, o_hi / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(L_PART + row, lse2, mask=g_ok)
+
+
 @triton.jit
 def _combine_kernel(O_PART, L_PART, O, LSE, NUM_SPLITS, D: tl.constexpr, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)  # b * HQ + hq
@@ -155,7 +298,10 @@ def _combine_kernel(O_PART, L_PART, O, LSE, NUM_SPLITS, D: tl.constexpr, SPLITS_
 
 # Launch settings; benchmarks/lowbit_attention.py --sweep times candidates on the H200. `waves`: programs per SM
 # wanted from the key splits (decode is memory bound: enough loads in flight hide the latency).
-DECODE_CONFIG = {"waves": 2, "min_tokens_per_split": 256, "block_n": None, "num_warps": 4, "num_stages": 3}
+# FP4 caches: `fp4_kernel` "rows" (block scales on the MMA rows, `_decode_fp4_kernel`) or "tile" (every value
+# scaled in registers, `_decode_split_kernel`); `unpack` 1 = PTX bit trick, 0 = Triton integer ops.
+DECODE_CONFIG = {"waves": 2, "min_tokens_per_split": 256, "block_n": None, "num_warps": 4, "num_stages": 3,
+                 "fp4_kernel": "rows", "unpack": 1}
 DECODE_CONFIG_OVERRIDE: dict = {}  # fmt -> dict with any of the keys above
 
 
@@ -198,13 +344,24 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dummy = l_part
     q = q.contiguous()
-    _decode_split_kernel[(b * hkv, splits)](
-        q, kd, kr if kr is not None else dummy, kb if kb is not None else dummy,
-        vd, vr if vr is not None else dummy, vb if vb is not None else dummy,
-        o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E, splits,
-        HQ=hq, HKV=hkv, G_PAD=g_pad, D=d, FMT=code, BLOCK=block, BLOCK_N=block_n,
-        EMULATE=interpreting(), num_warps=cfg["num_warps"], num_stages=1 if interpreting() else cfg["num_stages"],
-    )
+    if code >= 2 and cfg["fp4_kernel"] == "rows" and d >= 32:
+        nb = d // block
+        _decode_fp4_kernel[(b * hkv, splits)](
+            q, kd, kr if kr is not None else dummy, kb, vd, vr if vr is not None else dummy, vb,
+            o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E, splits,
+            HQ=hq, HKV=hkv, G_PAD=max(_next_pow2(g), _cdiv(16, nb)), D=d, FMT=code, BLOCK=block, BLOCK_N=block_n,
+            EMULATE=interpreting(), UNPACK=cfg["unpack"], num_warps=cfg["num_warps"],
+            num_stages=1 if interpreting() else cfg["num_stages"],
+        )
+    else:
+        _decode_split_kernel[(b * hkv, splits)](
+            q, kd, kr if kr is not None else dummy, kb if kb is not None else dummy,
+            vd, vr if vr is not None else dummy, vb if vb is not None else dummy,
+            o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E, splits,
+            HQ=hq, HKV=hkv, G_PAD=g_pad, D=d, FMT=code, BLOCK=block, BLOCK_N=block_n,
+            EMULATE=interpreting(), num_warps=cfg["num_warps"],
+            num_stages=1 if interpreting() else cfg["num_stages"],
+        )
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     _combine_kernel[(b * hq,)](o_part, l_part, out, lse, splits, D=d,
