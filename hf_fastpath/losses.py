@@ -13,7 +13,11 @@ Tensors in, tensors out: no Transformers import here (the Transformers wiring is
 
 from __future__ import annotations
 
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 __all__ = ["chunked_linear_cross_entropy", "default_chunk_rows", "CHUNK_BYTES"]
 
@@ -114,7 +118,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         if num_items_in_batch is None:
             scale = 1.0 / n_valid if n_valid else 0.0
-        elif torch.is_tensor(num_items_in_batch):
+        elif torch.is_tensor(num_items_in_batch):  # stays on the device: no host sync
             scale = 1.0 / num_items_in_batch.to(device=hidden.device, dtype=acc_dtype)
         else:
             scale = 1.0 / float(num_items_in_batch)
@@ -126,6 +130,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(vocab, device=weight.device, dtype=acc_dtype) if need_b else None
         total = torch.zeros((), device=hidden.device, dtype=acc_dtype)
 
+        scale_t = torch.as_tensor(scale, dtype=acc_dtype, device=hidden.device).reshape(1)
         # Explicit dtypes inside: autocast would otherwise re-cast the operands of every matmul.
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n_valid, chunk_rows):
@@ -133,28 +138,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 target = lab[start:start + chunk_rows]
                 h = hidden.index_select(0, idx).to(compute_dtype)
                 logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())
-                z = logits.to(acc_dtype)  # the fp32 chunk: every step below is in place on it
+                loss_rows, g = _rows_loss_and_grad(logits, target, scale_t, softcap, need_h or need_w or need_b)
                 del logits
-                if softcap is not None:
-                    z.div_(softcap).tanh_()
-                    tanh = z.clone() if (need_h or need_w or need_b) else None
-                    z.mul_(softcap)
-                z_target = z.gather(1, target[:, None]).squeeze(1)
-                z_max = z.amax(1)
-                z.sub_(z_max[:, None]).exp_()
-                sum_exp = z.sum(1)
-                total += (z_max + sum_exp.log() - z_target).sum()
-                if not (need_h or need_w or need_b):
+                total += loss_rows.sum(dtype=acc_dtype)
+                if g is None:
                     continue
-                # d loss / d logits = (softmax - onehot(target)) * scale
-                z.div_(sum_exp[:, None])
-                z.scatter_add_(1, target[:, None], torch.full_like(z_target[:, None], -1.0))
-                if softcap is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh²
-                    z.mul_(tanh.square_().neg_().add_(1.0))
-                    del tanh
-                z.mul_(scale)
-                g = z.to(compute_dtype)
-                del z
                 if need_h:
                     grad_h.index_copy_(0, idx, (g @ w).to(hidden.dtype))
                 if need_w:
@@ -165,7 +153,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
         # Kept as attributes, not saved tensors: they are results of this function, not inputs to re-read.
         ctx.grads = (grad_h, grad_w, grad_b.to(bias.dtype) if need_b else None)
-        return total * scale
+        return total * scale_t[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -178,3 +166,100 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Scaled in place (no second [T, H] buffer); loss.backward() passes 1.0.
         out = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
         return out[0], out[1], out[2], None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per chunk: [rows, V] logits -> per-row loss, and the logits overwritten by their gradient
+
+
+def _rows_loss_and_grad(logits, target, scale, softcap, need_grad):
+    """Loss of every row (fp32, fp64 for fp64 logits) and d loss / d logits = (softmax - onehot) * scale in
+    logits' dtype (None when not `need_grad`). The Triton kernel (CUDA, or the interpreter) writes the gradient over
+    the logits in place: the chunk is the only [rows, V] buffer. The torch path (CPU, fp64) needs an fp32 copy."""
+    use_triton = logits.dtype != torch.float64 and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    if use_triton:
+        return _rows_loss_and_grad_triton(logits, target, scale, softcap, need_grad)
+    return _rows_loss_and_grad_torch(logits, target, scale, softcap, need_grad)
+
+
+def _rows_loss_and_grad_torch(logits, target, scale, softcap, need_grad):
+    acc_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(acc_dtype)  # the fp32 chunk (logits themselves when fp32): every step below is in place on it
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        tanh = z.clone() if need_grad else None
+        z.mul_(softcap)
+    z_target = z.gather(1, target[:, None]).squeeze(1)
+    z_max = z.amax(1)
+    z.sub_(z_max[:, None]).exp_()
+    sum_exp = z.sum(1)
+    loss = z_max + sum_exp.log() - z_target
+    if not need_grad:
+        return loss, None
+    z.div_(sum_exp[:, None])
+    z.scatter_add_(1, target[:, None], torch.full_like(z_target[:, None], -1.0))
+    if softcap is not None:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh²
+        z.mul_(tanh.square_().neg_().add_(1.0))
+    z.mul_(scale.to(acc_dtype))
+    return loss, z.to(logits.dtype)
+
+
+def _rows_loss_and_grad_triton(logits, target, scale, softcap, need_grad):
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    if rows == 0:
+        return loss, (logits if need_grad else None)
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    block = min(triton.next_power_of_2(vocab), 256 if interpreting else 4096)
+    _ce_rows_kernel[(rows,)](
+        logits, logits.stride(0), target, loss, scale.float(), vocab, float(softcap or 1.0),
+        HAS_SOFTCAP=softcap is not None, NEED_GRAD=need_grad, BLOCK=block, num_warps=8)
+    return loss, (logits if need_grad else None)
+
+
+@triton.jit
+def _softcapped(x, cap, HAS_SOFTCAP: tl.constexpr):
+    """(value, tanh) with value = cap * tanh(x / cap) when soft-capping (tanh through exp: portable to the
+    interpreter); (x, 0) otherwise."""
+    if HAS_SOFTCAP:
+        t = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
+        return cap * t, t
+    else:
+        return x, 0.0 * x
+
+
+@triton.jit
+def _ce_rows_kernel(LOGITS, stride_row, TARGET, LOSS, SCALE, V, cap, HAS_SOFTCAP: tl.constexpr,
+                    NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: pass 1 an online max / sum of exp over the vocabulary (fp32, per lane), loss =
+    log-sum-exp - logit[target]; pass 2 overwrites the row with (softmax - onehot(target)) * scale [* (1 - tanh²)].
+    Reads the row twice and writes it once in its own dtype: no fp32 copy of the chunk."""
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_row
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        ok = start + offs < V
+        x = tl.load(base + start + offs, mask=ok, other=0.0).to(tl.float32)
+        x, _ = _softcapped(x, cap, HAS_SOFTCAP)
+        x = tl.where(ok, x, float("-inf"))
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that saw only padding stay at 0 / -inf
+        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+    m_row = tl.max(m, 0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
+    target = tl.load(TARGET + row)
+    x_t, _ = _softcapped(tl.load(base + target).to(tl.float32), cap, HAS_SOFTCAP)
+    tl.store(LOSS + row, lse - x_t)
+    if NEED_GRAD:
+        scale = tl.load(SCALE)
+        for start in range(0, V, BLOCK):
+            ok = start + offs < V
+            x = tl.load(base + start + offs, mask=ok, other=0.0).to(tl.float32)
+            x, t = _softcapped(x, cap, HAS_SOFTCAP)
+            g = tl.exp(x - lse) - tl.where(start + offs == target, 1.0, 0.0)
+            if HAS_SOFTCAP:
+                g = g * (1.0 - t * t)
+            tl.store(base + start + offs, (g * scale).to(LOGITS.dtype.element_ty), mask=ok)

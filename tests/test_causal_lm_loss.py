@@ -33,7 +33,7 @@ def loss_and_grads(model, **inputs):
     return output, grads
 
 
-def assert_same(got, want, rtol=1e-5, atol=1e-7):
+def assert_same(got, want, rtol=1e-4, atol=1e-6):
     (out, grads), (ref_out, ref_grads) = got, want
     torch.testing.assert_close(out.loss, ref_out.loss, rtol=rtol, atol=atol)
     assert grads.keys() == ref_grads.keys() and grads
@@ -69,7 +69,7 @@ def test_same_loss_and_grads_as_transformers(family):
     use_chunked_loss(model)
     assert_same(loss_and_grads(model, **batch, num_items_in_batch=torch.tensor(7)), want)
     got_tuple = model(**batch, return_dict=False)
-    torch.testing.assert_close(got_tuple[0], want_tuple[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got_tuple[0], want_tuple[0], rtol=1e-5, atol=1e-6)
     assert len(got_tuple) == len(want_tuple) - 1, "the tuple is the reference's without the logits"
 
 

@@ -198,3 +198,43 @@ def test_random_shapes(tokens, vocab, hidden, chunk, bias, ignored, seed):
     for got, ref in zip(ours[1], want[1]):
         if ref is not None:
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_match_float64(path, softcap, dtype):
+    """Both per-chunk implementations (Triton: CUDA and the interpreter; torch: CPU without the interpreter), on one
+    chunk of logits, against the float64 loss and gradient of the same logits (vocab not a power of two, wider than
+    the kernel's block)."""
+    from hf_fastpath import losses
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(9, 700, generator=g) * 4).to(dtype)
+    target = torch.randint(0, 700, (9,), generator=g)
+    scale = torch.tensor([0.37])
+    ref_logits = logits.double().requires_grad_(True)
+    capped = ref_logits if softcap is None else softcap * torch.tanh(ref_logits / softcap)
+    want = F.cross_entropy(capped, target, reduction="none")
+    (want.sum() * 0.37).backward()
+    fn = losses._rows_loss_and_grad_torch if path == "torch" else losses._rows_loss_and_grad_triton
+    loss, grad = fn(logits.clone(), target, scale, softcap, True)
+    loss_only, none = fn(logits.clone(), target, scale, softcap, False)
+    assert none is None and grad.dtype == dtype and loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_only, loss, rtol=0, atol=0)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3 * 0.37
+    torch.testing.assert_close(grad.double(), ref_logits.grad, rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                               atol=tol)
+
+
+def test_cpu_path_without_the_interpreter(monkeypatch):
+    """What CPU users get (no TRITON_INTERPRET): the torch per-chunk path, fp64 with softcap and fp32."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    check(31, 77, 10, 8, bias=True, ignored=0.3, softcap=4.0)  # fp64
+    h, w, b, labels = make(31, 77, 10, dtype=torch.float32, bias=True, ignored=0.3)
+    loss, grads = loss_and_grads(chunked_linear_cross_entropy, *leaves(h, w, b), labels, chunk_rows=8)
+    want, want_grads = loss_and_grads(reference, *leaves(h, w, b), labels)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=1e-6)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-6)
