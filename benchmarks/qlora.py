@@ -5,7 +5,7 @@
     TRITON_INTERPRET=1 python benchmarks/qlora.py --smoke   # the whole flow on the CPU, tiny shape (~2 minutes)
     python benchmarks/qlora.py --save-random smollm2-135m DIR  # a random model for examples/qlora_finetune.py
 
-The same randomly initialised Llama-shaped model (random weights: same shapes, same speed) is fine-tuned four ways,
+The same randomly initialised Llama-shaped model (random weights: same shapes, same speed) is fine-tuned five ways,
 all with PEFT LoRA r=16 alpha=32 on every linear (same seed, same initial adapters), gradient checkpointing
 (non-reentrant, through `prepare_model_for_qlora`, so fp32 norms everywhere), AdamW, batch 1 (--batch) x 2048
 tokens, bf16:
@@ -14,8 +14,11 @@ tokens, bf16:
                       backward (the way bitsandbytes / gptqmodel train; the dequantization itself is hf_fastpath's
                       Triton kernel, the matmul cuBLAS), PEFT's GPTQ LoRA arithmetic, SDPA attention
   fastpath_qlora      hf_fastpath: W4A16Linear (Triton W4A16 kernels; at training sizes they dequantize into a
-                      scratch tile and call cuBLAS), W4A16LoraLinear, `fastpath` attention
-  fastpath_qlora_sdpa the same with SDPA attention (ablation: the linear layers alone)
+                      scratch tile and call cuBLAS), W4A16LoraLinear, `fastpath` attention, and the chunked
+                      linear + cross-entropy loss (`hf_fastpath.use_chunked_loss`: no [tokens, vocab] logits)
+  fastpath_qlora_sdpa the same with SDPA attention (ablation: the linear layers and the loss alone)
+  fastpath_qlora_full_logits  fastpath_qlora with Transformers' default loss (ablation: what the chunked loss saves)
+The peers compute the loss as users run them: Transformers' `ForCausalLMLoss` on the full logits, up-cast to fp32.
 Two precision modes, each variant in both: `autocast` (forward and loss under torch.autocast(bfloat16), what
 `Trainer(bf16=True)` does; the peers' LoRA products then run in bf16) and `plain` (no autocast, like
 examples/qlora_finetune.py; PEFT's LoRA products run in the fp32 adapter dtype). The headline is `autocast`.
@@ -54,7 +57,8 @@ SHAPES = {
                  num_hidden_layers=2, vocab_size=256, tie_word_embeddings=False),
 }
 GROUP_SIZE = {"smollm2-135m": 64, "llama3-8b": 128, "tiny": 64}  # must divide every in_features (kernel path)
-VARIANTS = ("bf16_lora", "dequant_qlora", "fastpath_qlora", "fastpath_qlora_sdpa")
+VARIANTS = ("bf16_lora", "dequant_qlora", "fastpath_qlora", "fastpath_qlora_sdpa", "fastpath_qlora_full_logits")
+CHUNKED_LOSS_VARIANTS = ("fastpath_qlora", "fastpath_qlora_sdpa")
 MODES = ("autocast", "plain")
 HEADLINE_MODE = "autocast"
 DEVICE = "cuda"
@@ -148,7 +152,15 @@ def set_attention(model, name):
 
 
 def attention_of(variant):
-    return "fastpath" if variant == "fastpath_qlora" else "sdpa"
+    return "fastpath" if variant in ("fastpath_qlora", "fastpath_qlora_full_logits") else "sdpa"
+
+
+def set_variant(peft_model, variant):
+    """Attention and loss of `variant` on the (shared) 4-bit PEFT model."""
+    from hf_fastpath.integrations.causal_lm_loss import use_chunked_loss
+
+    set_attention(peft_model.get_base_model(), attention_of(variant))
+    use_chunked_loss(peft_model, enabled=variant in CHUNKED_LOSS_VARIANTS)
 
 
 def make_peft(model, seed=0):
@@ -217,7 +229,7 @@ def check_same(peft_model, ids, mode):
     """Loss and LoRA gradients of every 4-bit variant vs the dequantize peer (same model, same adapters)."""
     results = {}
     for variant in VARIANTS[1:]:
-        set_attention(peft_model.get_base_model(), attention_of(variant))
+        set_variant(peft_model, variant)
         with variant_code(variant):
             peft_model.zero_grad(set_to_none=True)
             loss = loss_of(peft_model, ids, mode)
@@ -305,7 +317,7 @@ def bench_shape(name, seq, rep_ms, modes, batch=1):
     log(f"  check ({modes[0]}): {result['check']}")
     for mode in modes:
         for variant in VARIANTS[1:]:
-            set_attention(peft_model.get_base_model(), attention_of(variant))
+            set_variant(peft_model, variant)
             with variant_code(variant):
                 result[mode][variant] = measure(peft_model, ids, variant, mode, rep_ms)
         r = result[mode]
@@ -316,6 +328,10 @@ def bench_shape(name, seq, rep_ms, modes, batch=1):
             "memory_vs_bf16_lora": f["peak_gib"] / max(b["peak_gib"], 1e-9),
             "memory_vs_dequant_qlora": f["peak_gib"] / max(d["peak_gib"], 1e-9),
             "sdpa_ablation_throughput_vs_dequant_qlora": r["fastpath_qlora_sdpa"]["tokens_per_s"] / d["tokens_per_s"],
+            # the chunked loss alone: same model, same kernels, Transformers' loss on the full logits instead
+            "chunked_loss_memory_vs_full_logits": f["peak_gib"] / max(r["fastpath_qlora_full_logits"]["peak_gib"], 1e-9),
+            "chunked_loss_throughput_vs_full_logits":
+                f["tokens_per_s"] / r["fastpath_qlora_full_logits"]["tokens_per_s"],
         }
         log(f"  ratios ({mode}): " + ", ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
     del peft_model, model
@@ -340,6 +356,9 @@ def run(args):
         "targets": {"memory_vs_bf16_lora_large": "<= 0.35", "throughput_vs_dequant_qlora": ">= 1.5",
                     "throughput_vs_bf16_lora": ">= 1.0"},
         "modes": list(args.modes), "headline_mode": args.modes[0], "variants": list(VARIANTS),
+        "loss": {"chunked (hf_fastpath.use_chunked_loss)": list(CHUNKED_LOSS_VARIANTS),
+                 "Transformers ForCausalLMLoss on full fp32 logits": [v for v in VARIANTS
+                                                                      if v not in CHUNKED_LOSS_VARIANTS]},
         "shapes": {},
     }
     out_dir = os.environ.get("OUT") or RESULTS
@@ -372,7 +391,8 @@ def plot(results, path):
     labels = {"bf16_lora": ("bf16 LoRA + SDPA (peer)", "tab:gray"),
               "dequant_qlora": ("QLoRA dequantize+matmul + SDPA (peer)", "tab:orange"),
               "fastpath_qlora": ("hf_fastpath QLoRA", "tab:blue"),
-              "fastpath_qlora_sdpa": ("hf_fastpath QLoRA, SDPA attention", "tab:cyan")}
+              "fastpath_qlora_sdpa": ("hf_fastpath QLoRA, SDPA attention", "tab:cyan"),
+              "fastpath_qlora_full_logits": ("hf_fastpath QLoRA, full-logits loss", "tab:purple")}
     variants = [v for v in results.get("variants", VARIANTS) if v in labels]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.8 / len(variants)

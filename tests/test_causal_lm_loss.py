@@ -107,9 +107,26 @@ def test_disable_restores_the_class_forward_and_signature_is_kept():
     use_chunked_loss(model)
     use_chunked_loss(model, chunk_rows=3)  # again: re-wraps the original, not the wrapper
     assert inspect_signature(model) == before, "Trainer reads the signature to pass num_items_in_batch"
-    assert getattr(model.forward, causal_lm_loss._MARK).__func__ is type(model).forward
+    assert getattr(model.forward, causal_lm_loss._MARK) is type(model).forward
     use_chunked_loss(model, enabled=False)
     assert "forward" not in model.__dict__
+
+
+def test_a_deep_copy_runs_itself():
+    """The patched forward is a method of the model, not a closure over it: a copy computes with its own weights."""
+    import copy
+
+    model = use_chunked_loss(tiny_model("llama").train(), chunk_rows=4)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2)
+    batch = labelled_batch()
+    assert twin.forward.__self__ is twin
+    assert not torch.equal(twin(**batch).loss, model(**batch).loss)
+    use_chunked_loss(twin, enabled=False)
+    want = twin(**batch).loss
+    use_chunked_loss(twin)
+    torch.testing.assert_close(twin(**batch).loss, want, rtol=1e-5, atol=1e-6)
 
 
 def inspect_signature(model):
@@ -171,3 +188,33 @@ def test_bf16_autocast_loss_within_tolerance():
         use_chunked_loss(model, chunk_rows=6)
         got = loss_and_grads(model, **batch)
     assert_same(got, want, rtol=2e-2, atol=2e-3)
+
+
+def _trained_weights(tmp_path, chunked):
+    model = tiny_model("gpt2").train()
+    if chunked:
+        use_chunked_loss(model, chunk_rows=7)
+    rows = []
+    for i in range(8):
+        ids, _ = random_batch(1, 10, seed=10 + i)
+        labels = ids.clone()
+        labels[0, : i % 5] = -100  # uneven targets per example: num_items_in_batch matters
+        rows.append({"input_ids": ids[0].tolist(), "labels": labels[0].tolist()})
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("chunked" if chunked else "plain")), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, max_steps=2, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
+        report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0, data_seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    assert trainer.model_accepts_loss_kwargs, "Trainer must still see **kwargs in the forward signature"
+    trainer.train()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_trainer_with_gradient_accumulation(tmp_path):
+    """Trainer passes num_items_in_batch to the patched forward; two accumulated steps land on the same weights."""
+    want = _trained_weights(tmp_path, chunked=False)
+    got = _trained_weights(tmp_path, chunked=True)
+    changed = [n for n in want if not torch.equal(want[n], tiny_model("gpt2").state_dict()[n])]
+    assert changed, "training should move the weights"
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

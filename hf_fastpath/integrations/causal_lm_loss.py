@@ -15,7 +15,8 @@ its `logits` is None (they are never computed: that is the point). With `return_
 `(loss, ...)` without logits, as Transformers drops None fields. Without labels, or in eval mode (`model.eval()`,
 e.g. Trainer's evaluation with `compute_metrics`), the model runs exactly as before and returns logits.
 
-How: the model instance's `forward` is wrapped (its signature kept, so Trainer still passes `num_items_in_batch`).
+How: the model instance's `forward` is replaced by a method wrapping the original (its signature kept, so Trainer
+still passes `num_items_in_batch` and keeps the dataset columns; a deep copy of the model stays patched and correct).
 With labels in training mode, the wrapper calls the original forward with `labels=None` while the head module's
 forward returns its input, so the "logits" it computes are the (sliced) last hidden states; the loss is computed
 from them. Every supported model's forward does `logits = head(hidden_states)` and then the loss, with nothing in
@@ -34,6 +35,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +59,8 @@ CHUNKED_LOSS_MODELS = {
     "gpt_bigcode": "GPTBigCodeForCausalLM",
 }
 
-_MARK = "_hf_fastpath_chunked_loss"  # the original bound forward, on a patched model
+_MARK = "_hf_fastpath_chunked_loss"  # on the patched forward: the original (unbound) forward function
+_CHUNK_ROWS = "_hf_fastpath_chunk_rows"  # on the model
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:
@@ -120,37 +123,41 @@ def _without_logits(output, loss):
     return type(output)(loss=loss, **fields)
 
 
-def _wrap_forward(model: nn.Module, original, chunk_rows: int | None):
-    signature = inspect.signature(original)
+def _wrap_forward(original_func):
+    """A forward function for `types.MethodType(..., model)`: the original (unbound) forward with the chunked loss.
+
+    It closes over nothing of the model (chunk_rows is read from the model): a deep copy of the model rebinds the
+    method to the copy and keeps working."""
+    signature = inspect.signature(original_func)  # (self, input_ids, ..., **kwargs)
     var_kwargs = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD),
                       None)
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        if not model.training:
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
+    @functools.wraps(original_func)  # inspect.signature follows __wrapped__: Trainer sees the model's parameters
+    def forward(self, *args, **kwargs):
+        if not self.training:
+            return original_func(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
         labels = bound.arguments.get("labels")
         if labels is None:
-            return original(*args, **kwargs)
+            return original_func(self, *args, **kwargs)
         # Loss-only keyword arguments (ForCausalLMLoss's); the base model never reads them.
         extra = bound.arguments.get(var_kwargs, {}) if var_kwargs else {}
         shift_labels = extra.pop("shift_labels", None)
         num_items_in_batch = extra.pop("num_items_in_batch", None)
         ignore_index = extra.pop("ignore_index", -100)
         bound.arguments["labels"] = None
-        head = _head(model)
+        head = _head(self)
         with _head_returns_its_input(head):
-            output = original(*bound.args, **bound.kwargs)
+            output = original_func(*bound.args, **bound.kwargs)
         hidden = output[0] if isinstance(output, tuple) else output.logits
         if shift_labels is None:  # as ForCausalLMLoss: tokens < n predict n; the last position has no target
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         loss = chunked_linear_cross_entropy(
             hidden, head.weight, shift_labels.to(hidden.device), head.bias, ignore_index=ignore_index,
-            num_items_in_batch=num_items_in_batch, chunk_rows=chunk_rows)
+            num_items_in_batch=num_items_in_batch, chunk_rows=getattr(self, _CHUNK_ROWS, None))
         return _without_logits(output, loss)
 
-    forward.__dict__[_MARK] = original
+    forward.__dict__[_MARK] = original_func
     return forward
 
 
@@ -163,19 +170,25 @@ def use_chunked_loss(model: nn.Module, *, chunk_rows: int | None = None, enabled
     Llama-3's vocabulary). `enabled=False` restores the original forward. Calling it again only updates
     `chunk_rows`. See the module docstring for what changes (training mode with labels only; `logits` is None)."""
     target = _transformers_model(model)
-    original = getattr(target.forward, _MARK, None)
+    original_func = getattr(target.forward, _MARK, None)
     if not enabled:
-        if original is not None:
-            if getattr(original, "__self__", None) is target and getattr(original, "__func__", None) is \
-                    type(target).forward:
+        if original_func is not None:
+            if original_func is type(target).forward:
                 del target.forward  # the instance attribute goes: the class's forward is back
             else:
-                target.forward = original  # someone else's instance-level forward (e.g. Accelerate's hooks)
+                target.forward = types.MethodType(original_func, target)  # an instance-level forward from before
         return model
     _check_supported(target)
-    if original is None:
+    if original_func is None:
         original = target.forward
-    target.forward = _wrap_forward(target, original, chunk_rows)
+        if getattr(original, "__self__", None) is not target:
+            raise ValueError(
+                f"use_chunked_loss: {type(target).__name__}.forward was replaced by {original!r}, not a method of the "
+                "model (an Accelerate hook or another wrapper?). Call use_chunked_loss before accelerator.prepare / "
+                "dispatching the model.")
+        original_func = original.__func__
+    setattr(target, _CHUNK_ROWS, chunk_rows)
+    target.forward = types.MethodType(_wrap_forward(original_func), target)
     logger.info("%s: training loss through hf_fastpath's chunked linear + cross-entropy (chunk_rows=%s)",
                 type(target).__name__, chunk_rows or "auto")
     return model
