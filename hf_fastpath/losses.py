@@ -5,7 +5,10 @@ A causal LM's training loss is cross_entropy(hidden @ weightᵀ + bias, labels).
 they are 4.2 GB in bf16, 8.4 GB once up-cast to fp32 for the loss, and as much again for their gradient — more than
 the 4-bit weights of an 8B model. Here the rows (tokens) are processed in chunks; for each chunk the logits are
 computed, reduced to the loss, turned into their gradient and multiplied back into the gradient of `hidden` (and of
-`weight` / `bias` when those require grad), then freed. Only one chunk of logits ever exists.
+`weight` / `bias` when those require grad), then freed. Only one chunk of logits ever exists. On the GPU a Triton
+kernel (one program per row: online max / sum of exp in fp32, then the gradient written over the logits in place)
+makes that chunk, in the matmul dtype, the only [rows, vocab] buffer; the CPU path uses torch ops on an fp32 copy.
+Rows without a target (-100) are dropped before the matmul.
 
 Tensors in, tensors out: no Transformers import here (the Transformers wiring is
 `hf_fastpath.integrations.causal_lm_loss`).
@@ -21,10 +24,11 @@ import triton.language as tl
 
 __all__ = ["chunked_linear_cross_entropy", "default_chunk_rows", "CHUNK_BYTES"]
 
-# Budget for one chunk of fp32 logits. The extra memory of the op peaks at about 1.5x this (the fp32 chunk plus the
-# chunk's logits or gradient in the compute dtype), whatever the number of tokens: ~1.5 GiB for Llama-3's vocabulary,
-# against ~21 GiB of logits, fp32 logits and their gradient for 16k tokens the plain way. Chunks of ~2k rows (at a
-# 128k vocabulary) keep the three GEMMs per chunk large enough to run at full speed.
+# Budget for one chunk of logits counted in fp32, whatever the number of tokens. On the GPU (Triton path) the op's
+# [rows, vocab] memory is one chunk in the matmul dtype: 0.5 GiB in bf16 for Llama-3's vocabulary (2048 rows), against
+# ~21 GB of bf16 logits, fp32 logits and their gradient for 16k tokens the plain way. The CPU path holds the fp32 chunk
+# and a compute-dtype copy (1.5x the budget). Chunks of ~2k rows (at a 128k vocabulary) keep the three GEMMs per chunk
+# (logits, grad of hidden, grad of weight if trainable) large enough to run at full speed.
 CHUNK_BYTES = 1 << 30
 
 
