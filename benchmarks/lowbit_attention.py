@@ -31,6 +31,8 @@ TOKENS = 16384
 SEQS = (4096, 16384)
 HEADS = {128: 16, 256: 8}
 DECODE_KV = (8192, 16384, 32768, 65536, 131072)
+# the session-2 FP4 decode (every value scaled in registers) with its own launch settings, timed beside the new one
+DECODE_TILE = {"fp4_kernel": "tile", "block_n": None, "num_warps": 4, "num_stages": 3, "waves": 2}
 
 
 def _log(*a):
@@ -97,25 +99,58 @@ def gpu_checks():
             except Exception as e:  # keep going: the report says what failed
                 out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:])
             _log(key, out[key])
-    for fmt in ("bf16", "fp8", "mxfp4", "nvfp4"):
-        key = f"decode_{fmt}"
-        try:
-            q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(2, 8, 5000, 128, device="cuda") for _ in range(2))
+    out.update(decode_checks())
+    return out
+
+
+DECODE_FP4_VARIANTS = {"rows": {"fp4_kernel": "rows", "unpack": 1},
+                       "rows_intops": {"fp4_kernel": "rows", "unpack": 0}, "tile": DECODE_TILE}
+
+
+def _with_decode_config(fmt, over, fn, *args, **kwargs):
+    """Call fn with decode settings `over` layered on the current ones for `fmt` (restored afterwards)."""
+    from hf_fastpath.kernels import lowbit_decode as ld
+
+    prev = ld.DECODE_CONFIG_OVERRIDE.get(fmt)
+    ld.DECODE_CONFIG_OVERRIDE[fmt] = {**(prev or {}), **over}
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if prev is None:
+            ld.DECODE_CONFIG_OVERRIDE.pop(fmt, None)
+        else:
+            ld.DECODE_CONFIG_OVERRIDE[fmt] = prev
+
+
+def decode_checks():
+    """Every decode kernel variant against SDPA in fp32 on the dequantized cache (GQA 32/8, hd 128 and GQA 8/8 hd 64,
+    odd length)."""
+    from hf_fastpath.kernels import lowbit_decode as ld
+    from hf_fastpath.kernels import lowbit_quant as lq
+
+    out = {}
+    for hq, hkv, d in ((32, 8, 128), (8, 8, 64)):
+        torch.manual_seed(0)
+        q = torch.randn(2, hq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, hkv, 5000, d, device="cuda") for _ in range(2))
+        for fmt in ("bf16", "fp8", "mxfp4", "nvfp4"):
             if fmt == "bf16":
                 kc, vc, kd, vd = (k.bfloat16(), None, None), (v.bfloat16(), None, None), k.bfloat16(), v.bfloat16()
             else:
                 qk, qv = lq.quantize_rows(k, fmt), lq.quantize_rows(v, fmt)
                 kc, vc = (qk.data, qk.scale, qk.block_scale), (qv.data, qv.scale, qv.block_scale)
                 kd, vd = lq.dequantize_rows(qk), lq.dequantize_rows(qv)
-            o, _ = ld.lowbit_decode(q, kc, vc, 4999, fmt=fmt)
             ref = torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, None].float(), kd[:, :, :4999].float().repeat_interleave(4, 1),
-                vd[:, :, :4999].float().repeat_interleave(4, 1))[:, :, 0]
-            out[key] = dict(cos_vs_dequantized_fp32=_cos(o.float(), ref), rel=_rel(o.float(), ref))
-        except Exception as e:
-            out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:])
-        _log(key, out[key])
+                q[:, :, None].float(), kd[:, :, :4999].float().repeat_interleave(hq // hkv, 1),
+                vd[:, :, :4999].float().repeat_interleave(hq // hkv, 1))[:, :, 0]
+            for name, over in (DECODE_FP4_VARIANTS.items() if fmt in ("mxfp4", "nvfp4") else [("", {})]):
+                key = f"decode_{fmt}{'_' + name if name else ''}_hd{d}"
+                try:
+                    o, _ = _with_decode_config(fmt, over, ld.lowbit_decode, q, kc, vc, 4999, fmt=fmt)
+                    out[key] = dict(cos_vs_dequantized_fp32=_cos(o.float(), ref), rel=_rel(o.float(), ref))
+                except Exception as e:
+                    out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:])
+                _log(key, out[key])
     return out
 
 
@@ -226,6 +261,9 @@ def prefill_cases(quick=False, only=None, time_it=True):
 SWEEP_CFGS = {128: [(64, 128, 4, 3)], 256: [(64, 64, 4, 2)]}
 SCALE_MODES = ("tma", "tma_pair")
 DECODE_SWEEP = []
+# FP4 rows kernel launch settings timed by --decode-sweep (the winner per format is used by the decode table)
+DECODE_FP4_SWEEP = [dict(fp4_kernel="rows", unpack=1, block_n=bn, num_warps=w, num_stages=st, waves=wv)
+                    for bn, w in ((64, 4), (128, 4), (128, 8)) for st in (2, 3) for wv in (2, 4)]
 
 
 def _sweep_variants():
@@ -312,9 +350,39 @@ def e2e_breakdown(quick=False):
     return out
 
 
-def _decode_variants():
+def _decode_variants(fp4_only=False):
+    if fp4_only:
+        return [dict(fmt=fmt, n=n, cfg=cfg) for fmt in ("mxfp4", "nvfp4") for cfg in DECODE_FP4_SWEEP
+                for n in (32768, 131072)]
     return [dict(fmt=fmt, n=n, cfg=cfg) for fmt in ("fp8", "mxfp4", "nvfp4") for cfg in DECODE_SWEEP
             for n in (32768, 131072)]
+
+
+def decode_sweep():
+    """Time the FP4 rows kernel's launch settings at 32k and 128k cached tokens; the winner per format (least total
+    time) is used by the rest of the run."""
+    from hf_fastpath.kernels import lowbit_decode as ld
+
+    dvariants = _decode_variants(fp4_only=True)
+    if not PRECOMPILED:
+        precompile([("decode_variant", v, {}) for v in dvariants])
+    drows, winners = [], {}
+    for v in dvariants:
+        drows.append(dict(v, us_cudagraph=_run_decode_variant(v)))
+        _log("decode sweep", drows[-1])
+    for fmt in ("mxfp4", "nvfp4"):
+        score = {}
+        for r in drows:
+            if r["fmt"] == fmt and isinstance(r["us_cudagraph"], float):
+                key = json.dumps(r["cfg"], sort_keys=True)
+                score.setdefault(key, []).append(r["us_cudagraph"])
+        score = {k_: sum(x) for k_, x in score.items() if len(x) == 2}
+        if score:
+            best = min(score, key=score.get)
+            winners[fmt] = json.loads(best)
+            ld.DECODE_CONFIG_OVERRIDE[fmt] = json.loads(best)
+    _log("decode sweep winners", winners)
+    return dict(rows=drows, winners=winners)
 
 
 def _run_decode_variant(v, time_it=True):
@@ -337,7 +405,7 @@ def _run_decode_variant(v, time_it=True):
         torch.cuda.synchronize()
         if not time_it:
             return None
-        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+        return triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median") * 1e3
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:300]}"
     finally:
@@ -364,6 +432,8 @@ def _precompile_task(task):
             decode_cases(time_it=False)
         elif name == "checks":
             gpu_checks()
+        elif name == "decode_checks":
+            decode_checks()
         return None
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:300]}"
@@ -467,6 +537,11 @@ def decode_cases(quick=False, time_it=True):
         for fmt, (kc, vc, bpt) in caches.items():
             variants[f"decode_{fmt}"] = ((lambda kc=kc, vc=vc, fmt=fmt:
                                           ld.lowbit_decode(q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]), bpt)
+            if fmt in ("mxfp4", "nvfp4"):  # the session-2 kernel (every value scaled in registers)
+                variants[f"decode_{fmt}_tile"] = (
+                    (lambda kc=kc, vc=vc, fmt=fmt: _with_decode_config(
+                        fmt, DECODE_TILE, ld.lowbit_decode, q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]),
+                    bpt)
         if not time_it:
             for fn, _ in variants.values():
                 try:
@@ -541,6 +616,29 @@ def plot(path, png):
     fig.savefig(png, dpi=110)
 
 
+def decode_only(args):
+    """One GPU call for the decode side: compile everything in parallel, check every variant, sweep the FP4 launch
+    settings, then the decode table with the winners."""
+    global PRECOMPILED
+    res = dict(env=_env())
+    path = os.path.join(args.out, "lowbit_decode.json")
+    tasks = [("decode_variant", v, {}) for v in _decode_variants(fp4_only=True)]
+    res["precompile_errors"] = precompile(tasks + [("decode_checks", None, {}), ("decode", None, {})])
+    PRECOMPILED = True
+    for name, fn in (("decode_checks", decode_checks), ("decode_sweep", decode_sweep),
+                     ("decode", lambda: decode_cases(args.quick))):
+        try:
+            res[name] = fn()
+        except Exception:
+            res[name + "_error"] = traceback.format_exc()
+            _log(res[name + "_error"])
+        json.dump(res, open(path, "w"), indent=1)
+    if res.get("decode_sweep", {}).get("winners"):  # the table ran with the winners: compile them too next time
+        res["decode_config_used"] = res["decode_sweep"]["winners"]
+        json.dump(res, open(path, "w"), indent=1)
+    _log("wrote", path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", help="make the PNG from this results JSON and exit")
@@ -549,6 +647,8 @@ def main():
     ap.add_argument("--no-precompile", action="store_true", help="compile in the timing process only")
     ap.add_argument("--one-precompile", action="store_true", help="compile sweep and tables in one stage")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="decode checks, FP4 decode launch sweep and the decode table only (lowbit_decode.json)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.plot:
@@ -557,6 +657,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     res = dict(env=_env())
     _log(res["env"])
+    if args.decode_only:
+        return decode_only(args)
     path = os.path.join(args.out, "lowbit_attention.json")
     steps = [("checks", gpu_checks), ("prefill", prefill_cases), ("e2e_breakdown", e2e_breakdown)]
     if not args.skip_decode:

@@ -213,9 +213,9 @@ def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP,
     R: tl.constexpr = G_PAD * NB
     DH: tl.constexpr = D // 2
     BB: tl.constexpr = BLOCK // 2  # packed bytes per scale block
-    offs_r = tl.arange(0, R)
-    r_g = offs_r // NB
-    r_b = offs_r % NB
+    offs_r = tl.arange(0, R)  # row r = (block b, head g) with r = b * G_PAD + g
+    r_g = offs_r % G_PAD
+    r_b = offs_r // G_PAD
     offs_j = tl.arange(0, DH)
     offs_nb = tl.arange(0, NB)
     q_ok = (r_g < G)[:, None] & ((offs_j // BB)[None, :] == r_b[:, None])
@@ -242,7 +242,7 @@ def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP,
         s_rows = tl.dot(q_hi, tl.trans(k_hi), s_rows)
         ksc = _block_scales(KB, KR, tok, n_ok, NB, FMT)
         # unpacked values are code * 2**-14: the 2**14 rides on the softmax scale
-        s = tl.sum(tl.reshape(s_rows, (G_PAD, NB, BLOCK_N)) * ksc[None, :, :], 1) * (qk_scale * 16384.0)
+        s = tl.sum(tl.reshape(s_rows, (NB, G_PAD, BLOCK_N)) * ksc[:, None, :], 0) * (qk_scale * 16384.0)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -256,16 +256,16 @@ def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP,
         # codes' 2**14 go back on the product
         vmax = tl.max(tl.max(vsc, 1), 0)
         w = vsc * tl.where(vmax > 0, 1.0 / tl.maximum(vmax, 1e-37), 0.0)
-        p_rows = tl.reshape(p[:, None, :] * w[None, :, :], (R, BLOCK_N)).to(v_lo.dtype)
+        p_rows = tl.reshape(w[:, None, :] * p[None, :, :], (R, BLOCK_N)).to(v_lo.dtype)
         f = vmax * 16384.0
-        alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (G_PAD, NB)), (R,))
+        alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :], (NB, G_PAD)), (R,))
         acc_lo = acc_lo * alpha_rows[:, None] + tl.dot(p_rows, v_lo) * f
         acc_hi = acc_hi * alpha_rows[:, None] + tl.dot(p_rows, v_hi) * f
         m_i = m_new
     # row (g, b) is right only on block b's columns
-    keep = (offs_j // BB)[None, None, :] == offs_nb[None, :, None]
-    o_lo = tl.sum(tl.where(keep, tl.reshape(acc_lo, (G_PAD, NB, DH)), 0.0), 1)
-    o_hi = tl.sum(tl.where(keep, tl.reshape(acc_hi, (G_PAD, NB, DH)), 0.0), 1)
+    keep = (offs_j // BB)[None, None, :] == offs_nb[:, None, None]
+    o_lo = tl.sum(tl.where(keep, tl.reshape(acc_lo, (NB, G_PAD, DH)), 0.0), 0)
+    o_hi = tl.sum(tl.where(keep, tl.reshape(acc_hi, (NB, G_PAD, DH)), 0.0), 0)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))  # log2 domain
     offs_g = tl.arange(0, G_PAD)
