@@ -5,6 +5,10 @@
     TRITON_INTERPRET=1 python benchmarks/qlora.py --smoke   # the whole flow on the CPU, tiny shape (~2 minutes)
     python benchmarks/qlora.py --save-random smollm2-135m DIR  # a random model for examples/qlora_finetune.py
 
+Before the models, `loss_op` (skip with --no-loss-op) compares the LM head + loss alone at the 8B shape (16384 tokens,
+4096 -> 128256, bf16, forward + backward): hf_fastpath's chunked op vs F.linear + Transformers' ForCausalLMLoss,
+extra peak memory, time and error against fp32.
+
 The same randomly initialised Llama-shaped model (random weights: same shapes, same speed) is fine-tuned five ways,
 all with PEFT LoRA r=16 alpha=32 on every linear (same seed, same initial adapters), gradient checkpointing
 (non-reentrant, through `prepare_model_for_qlora`, so fp32 norms everywhere), AdamW, batch 1 (--batch) x 2048
@@ -199,7 +203,7 @@ def measure(model, ids, label, mode, rep_ms):
         t0 = time.perf_counter()
         loss = step()
         ms = (time.perf_counter() - t0) * 1e3
-        log(f"  {label:20s} {mode:8s} {ms:8.1f} ms/step (CPU smoke run), loss {loss.item():.3f}")
+        log(f"  {label:26s} {mode:8s} {ms:8.1f} ms/step (CPU smoke run), loss {loss.item():.3f}")
         return {"step_ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": 0.0, "resident_gib": 0.0,
                 "loss": loss.item()}
     sync()
@@ -214,7 +218,7 @@ def measure(model, ids, label, mode, rep_ms):
     ms = triton.testing.do_bench(step, warmup=max(200, rep_ms // 4), rep=rep_ms, return_mode="median")
     out = {"step_ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak, "resident_gib": resident,
            "host_ms": host_ms, "loss": loss.item()}
-    log(f"  {label:20s} {mode:8s} {ms:8.1f} ms/step  {out['tokens_per_s']:10,.0f} tokens/s  peak {peak:6.2f} GiB"
+    log(f"  {label:26s} {mode:8s} {ms:8.1f} ms/step  {out['tokens_per_s']:10,.0f} tokens/s  peak {peak:6.2f} GiB"
         f"  resident {resident:6.2f} GiB  host {host_ms:6.1f} ms")
     del step, opt
     return out
@@ -340,6 +344,99 @@ def bench_shape(name, seq, rep_ms, modes, batch=1):
     return result
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# the loss alone: chunked linear + cross-entropy vs Transformers' loss on the full logits
+
+
+def loss_op_bench(tokens, hidden, vocab, rep_ms):
+    """LM head + loss, forward and backward, on the same bf16 inputs: hf_fastpath's chunked op vs `F.linear` followed
+    by Transformers' ForCausalLMLoss (what every peer variant runs). Extra peak memory over the inputs, median time,
+    and both against an fp32 computation (fp32 matmul, no TF32). Also the Triton row kernel against the torch path
+    on one chunk, with and without soft-capping (bf16 logits, fp64 reference)."""
+    import torch.nn.functional as F
+    import triton
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from hf_fastpath import losses
+
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    h = (torch.randn(tokens, hidden, device=DEVICE, generator=g) * 1.5).bfloat16().requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device=DEVICE, generator=g) / hidden**0.5).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), device=DEVICE, generator=g)
+    labels[::97] = -100  # some tokens without a target (and a target count that no chunk size divides)
+
+    def peer():
+        return ForCausalLMLoss(F.linear(h, w)[None], labels[None], vocab, shift_labels=labels[None])
+
+    def ours():
+        return losses.chunked_linear_cross_entropy(h, w, labels)
+
+    out = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk_rows": losses.default_chunk_rows(vocab)}
+    with torch.no_grad():  # fp32 reference, chunked by hand so it fits beside the rest
+        allow = torch.backends.cuda.matmul.allow_tf32 if DEVICE == "cuda" else False
+        if DEVICE == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+        ref_grad = torch.zeros(tokens, hidden, device=DEVICE)
+        ref_loss = torch.zeros((), device=DEVICE, dtype=torch.float64)
+        n = (labels != -100).sum()
+        for s in range(0, tokens, 2048):
+            z = F.linear(h[s:s + 2048].float(), w.float())
+            lab = labels[s:s + 2048]
+            ref_loss += F.cross_entropy(z, lab, reduction="sum").double()
+            p = z.softmax(1)
+            ok = lab != -100
+            p[ok, lab[ok]] -= 1
+            p[~ok] = 0
+            ref_grad[s:s + 2048] = (p @ w.float()) / n
+            del z, p
+        ref_loss = (ref_loss / n).float()
+        if DEVICE == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = allow
+    for name, fn in (("transformers_loss", peer), ("chunked_loss", ours)):
+        h.grad = None
+        loss = fn()
+        loss.backward()
+        out[name] = {"loss_abs_err_vs_fp32": abs(loss.item() - ref_loss.item()),
+                     "grad_rel_err_vs_fp32": ((h.grad.float() - ref_grad).norm() / ref_grad.norm()).item()}
+        del loss
+        if DEVICE == "cuda":
+            h.grad = None
+            sync()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn().backward()
+            sync()
+            out[name]["extra_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+
+            def step(fn=fn):
+                fn().backward()
+
+            out[name]["fwd_bwd_ms"] = triton.testing.do_bench(step, grad_to_none=[h], rep=max(200, rep_ms // 4),
+                                                               return_mode="median")
+    if DEVICE == "cuda":
+        out["memory_ratio"] = out["chunked_loss"]["extra_peak_gib"] / out["transformers_loss"]["extra_peak_gib"]
+        out["speed_ratio"] = out["transformers_loss"]["fwd_bwd_ms"] / out["chunked_loss"]["fwd_bwd_ms"]
+    # the Triton row kernel (on the GPU) vs the torch path, one chunk of bf16 logits, fp64 reference
+    rows = torch.randn(64, vocab, device=DEVICE, generator=g).mul_(5).bfloat16()
+    target = torch.randint(0, vocab, (64,), device=DEVICE, generator=g)
+    scale = torch.tensor([1 / 64], device=DEVICE)
+    for cap in (None, 30.0):
+        ref = rows.double().requires_grad_(True)
+        z = ref if cap is None else cap * torch.tanh(ref / cap)
+        (F.cross_entropy(z, target, reduction="sum") / 64).backward()
+        want_loss = F.cross_entropy(z.detach(), target, reduction="none")
+        for path in ("triton", "torch"):
+            fn = getattr(losses, f"_rows_loss_and_grad_{path}")
+            loss_rows, grad = fn(rows.clone(), target, scale, cap, True)
+            out[f"rows_{path}_softcap_{cap}"] = {
+                "loss_max_abs_err": (loss_rows.double() - want_loss).abs().max().item(),
+                "grad_max_abs_err": (grad.double() - ref.grad).abs().max().item(),
+                "grad_max_abs": ref.grad.abs().max().item()}
+    log(f"  loss op ({tokens} x {hidden} -> {vocab}): {json.dumps(out)}")
+    return out
+
+
 def run(args):
     import peft
     import transformers
@@ -364,6 +461,17 @@ def run(args):
     out_dir = os.environ.get("OUT") or RESULTS
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "qlora.json")
+    if args.loss_op:
+        tokens, hidden, vocab = (16384, 4096, 128256) if DEVICE == "cuda" else (300, 64, 1000)
+        try:
+            results["loss_op"] = loss_op_bench(tokens, hidden, vocab, args.rep_ms)
+        except Exception as error:  # keep the model figures
+            import traceback
+
+            traceback.print_exc()
+            results["loss_op"] = {"error": f"{type(error).__name__}: {error}"}
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     for name in args.shapes:
         try:
             results["shapes"][name] = bench_shape(name, args.seq, args.rep_ms, args.modes, args.batch)
@@ -445,6 +553,8 @@ def main():
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                    help="precision modes; the first is the headline (plot)")
     p.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per variant")
+    p.add_argument("--no-loss-op", dest="loss_op", action="store_false",
+                   help="skip the LM-head + loss comparison (chunked vs Transformers, 16k x 4096 -> 128256)")
     p.add_argument("--plot", metavar="JSON", help="only redraw the PNG from a result file")
     p.add_argument("--smoke", "--dry-run", action="store_true", help="tiny shape on the CPU (with TRITON_INTERPRET=1)")
     p.add_argument("--save-random", nargs=2, metavar=("SHAPE", "DIR"), help="only save a random model of SHAPE to DIR")

@@ -37,7 +37,6 @@ import inspect
 import logging
 import types
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -98,6 +97,10 @@ def _head(model: nn.Module) -> nn.Linear:
             "nn.Linear (is lm_head adapted by PEFT, e.g. LoRA target_modules or modules_to_save containing lm_head, "
             "or quantized?). The chunked loss reads the head's weight directly; keep lm_head a plain nn.Linear "
             "(trainable or frozen), or train without use_chunked_loss.")
+    if type(head.weight).__name__ == "DTensor":
+        raise ValueError("use_chunked_loss: the LM head's weight is sharded (a DTensor: FSDP2 or tensor parallelism); "
+                         "the chunked loss needs the whole [vocab, hidden] weight. Leave lm_head out of the sharding "
+                         "(or shard the whole model as one unit), or train without use_chunked_loss.")
     return head
 
 
