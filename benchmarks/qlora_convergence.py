@@ -2,6 +2,9 @@
 
     python benchmarks/qlora_convergence.py              # CPU: 40 steps x 64 tokens, ~18 minutes on one busy core
     python benchmarks/qlora_convergence.py --plot       # redraw the PNG from the JSON
+    python benchmarks/qlora_convergence.py --packed build/smollm2_a build/smollm2_b --steps 300 --batch 8 --seq 512
+        # GPU (bf16, Triton kernels): the model and tokens from `quant_quality.py pack` (the GPU machine has no
+        # tokenizer or GGUF; see that script for the two-call carry); writes qlora_convergence_gpu.json/.png
 
 Both runs start from the same LoRA initialisation (same seed) and see the same King James Bible windows in the same
 order; the only difference is the base weights: float (the peer: plain LoRA) or RTN 4-bit, group size 64 (hf_fastpath
@@ -57,7 +60,8 @@ def train(model, data, lr, seed, label):
     losses = []
     start = time.perf_counter()
     for step, ids in enumerate(data):
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -76,8 +80,22 @@ def run(args):
     from hf_fastpath.quantization.config import W4A16Config
 
     torch.set_num_threads(args.threads)
-    float_model, tokenizer = load_smollm2(dtype=torch.float32)
-    data = windows(tokenizer, args.steps, args.batch, args.seq)
+    if args.packed:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from pathlib import Path
+
+        from quant_quality import build_model, load_packed
+
+        state, config, tokens = load_packed([Path(p) for p in args.packed])
+        float_model = build_model(state, config, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        stream = tokens["bible-eval"]
+        g = torch.Generator().manual_seed(args.seed)
+        starts = torch.randint(0, stream.numel() - args.seq, (args.steps * args.batch,), generator=g)
+        data = torch.stack([stream[i:i + args.seq] for i in starts.tolist()]).view(args.steps, args.batch, args.seq)
+        data = data.to(args.device)
+    else:
+        float_model, tokenizer = load_smollm2(dtype=torch.float32)
+        data = windows(tokenizer, args.steps, args.batch, args.seq)
     quant_model = copy.deepcopy(float_model)
     quantize_model(quant_model, W4A16Config(method="rtn", bits=4, group_size=64, sym=False))  # 576 = 9 x 64 (128 does not divide it)
     float_losses, float_s = train(float_model, data, args.lr, args.seed, "float LoRA")
@@ -86,7 +104,8 @@ def run(args):
     result = {
         "what": "LoRA (r=16, alpha=32, all-linear, AdamW) on SmolLM2-135M-Instruct: float base vs RTN 4-bit g64 base",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)",
+        "device": (torch.cuda.get_device_name() + ", bf16") if args.packed and args.device == "cuda" else
+                  f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "peft": __import__("peft").__version__, "python": platform.python_version()},
         "data": f"King James Bible (New Testament) windows, {args.steps} steps x {args.batch} x {args.seq} tokens",
@@ -102,14 +121,16 @@ def run(args):
             "mean_gap_last10": sum(diff[-10:]) / 10,
         },
     }
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(JSON_PATH, "w") as f:
+    out_dir = args.out or RESULTS
+    os.makedirs(out_dir, exist_ok=True)
+    stem = "qlora_convergence_gpu" if args.packed else "qlora_convergence"
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     log(json.dumps(result["summary"], indent=1))
-    plot(result)
+    plot(result, os.path.join(out_dir, stem + ".png"))
 
 
-def plot(result):
+def plot(result, png_path=PNG_PATH):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,7 +146,7 @@ def plot(result):
         ax.plot(ys, color=color, alpha=0.25, linewidth=1)
         ax.plot(smooth(ys), color=color, label=label + ", 5-step mean", linewidth=2)
     ax.set_ylabel("training loss (nats/token)")
-    ax.set_title("SmolLM2-135M, LoRA r=16 all-linear: same init, same batches")
+    ax.set_title(f"SmolLM2-135M, LoRA r=16 all-linear: same init, same batches\n{result['device']}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     # Both runs see the same batch at each step, so the per-step gap is far less noisy than either curve.
@@ -139,8 +160,8 @@ def plot(result):
     gap_ax.legend(fontsize=8)
     gap_ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(PNG_PATH, dpi=120)
-    log("wrote", PNG_PATH)
+    fig.savefig(png_path, dpi=120)
+    log("wrote", png_path)
 
 
 def main():
@@ -152,6 +173,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", action="store_true", help="only redraw the PNG from the JSON")
+    p.add_argument("--packed", nargs=2, metavar="PART", help="GPU run on the packed model (quant_quality.py pack)")
+    p.add_argument("--out", help="output folder (default benchmarks/results)")
+    p.add_argument("--device", default="cuda", help="with --packed: cuda (bf16 autocast) or cpu (a smoke run)")
     args = p.parse_args()
     if args.plot:
         with open(JSON_PATH) as f:

@@ -294,10 +294,12 @@ def run_sweep(args):
     per_sms = (1, 2, 4, 8)
     grads = [(16, 64, 1, 4), (16, 64, 2, 4), (16, 128, 4, 4), (16, 32, 1, 4)]
     if args.mini:
-        tiles = [(0, 256, 4, 3, None), (0, 256, 4, 4, None), (0, 256, 8, 4, None), (0, 128, 4, 3, None),
-                 (64, 256, 4, 3, False), (64, 256, 8, 3, False), (32, 256, 4, 3, True), (64, 256, 8, 3, True),
-                 (64, 128, 4, 3, False)]
-        per_sms, grads = (1,), [(16, 32, 1, 4), (16, 64, 1, 4)]
+        # Session 3: tiles narrower than 16 rows (Triton pads the MMA; 128 registers instead of 227 at 16 rows,
+        # mma.sync instead of wgmma with its per-dot fences), against the session-2 choices.
+        tiles = [(0, 256, 4, 3, None)]
+        tiles += [(bm, bn, w, st, None) for bm in (1, 8) for bn, w, st in ((256, 4, 3), (256, 2, 3), (128, 2, 4))]
+        tiles += [(64, 128, 4, 3, False)]
+        per_sms, grads = (1, 2, 4), []
     base = None
     if args.baseline:
         import importlib.util
@@ -339,8 +341,8 @@ def run_sweep(args):
                 if not record(dict(K=k, N=n, M=m, kind="baseline"), fn, y, ref):
                     return out
             for (bm, bn, nw, ns, fac) in tiles:
-                if bm and m <= 16:
-                    continue
+                if bm and (bm > 16) != (m > 16) or bm and bm < 8 and m > 1:
+                    continue  # tiles are tried on the row counts they are meant for
                 bm = bm or (16 if m <= 16 else 32)
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
                 n_tiles = -(-n // bn) * -(-m // bm)

@@ -7,6 +7,7 @@ import torch
 from hf_fastpath.kernels.w4a16 import (
     _decode_grad_input,
     _decode_matmul,
+    _split_workspace,
     w4a16_dequantize,
     w4a16_matmul,
     w4a16_matmul_grad_input,
@@ -81,11 +82,19 @@ def test_split_k_and_split_n_accumulate(dtype):
     # 1 x 2 output tiles.
     gen = torch.Generator().manual_seed(7)
     qweight, scales, z, w64 = make_layer(512, 72, 128, dtype, "random", gen)
-    for m in (20, 3):  # 2 x 2 tiles, then 1 x 2 tiles (interpreter tiles: BLOCK_M = 16, BLOCK_N = 64)
+    for m in (20, 3, 3):  # 2 x 2 tiles, then 1 x 2 tiles (interpreter tiles: BLOCK_M = 16, BLOCK_N = 64)
         x = torch.randn(m, 512, generator=gen).to(dtype)
         out = torch.empty(m, 72, dtype=dtype)
         _decode_matmul(x, qweight, scales, z, 128, out, split_k=4)
         assert_close(out, x.double() @ w64, dtype)
+        # The last split of each tile leaves the shared workspace and tickets zeroed for the next call.
+        ws, count = _split_workspace(x.device, 1, 1)
+        assert not ws.any() and not count.any()
+    # An output with a row stride wider than N (a view into a bigger buffer) is written only where it belongs.
+    big = torch.full((3, 100), 7.0, dtype=dtype)
+    _decode_matmul(x, qweight, scales, z, 128, big[:, :72], split_k=2)
+    assert_close(big[:, :72], x.double() @ w64, dtype)
+    assert (big[:, 72:] == 7).all()
     dy = torch.randn(3, 72, generator=gen).to(dtype)
     dx = torch.empty(3, 512, dtype=dtype)
     _decode_grad_input(dy, qweight, scales, z, 128, dx, cfg=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),

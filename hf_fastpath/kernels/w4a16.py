@@ -190,13 +190,17 @@ def _dot(a, b, acc, FP32: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, K, stride_xm, stride_om, group_size, tiles_per_split,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count_ptr,
+    M, N, K, stride_xm, stride_om, group_size, tiles_per_split, n_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FACTORED: tl.constexpr, PER_ROW_GROUPS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    ATOMIC: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split."""
+    """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split.
+
+    With SPLIT, the n_splits programs of a tile add their partial sums into the fp32 workspace ws (same shape and
+    strides as out) and take a ticket from count[tile]; the last one casts the sum into out and leaves ws and
+    count zeroed for the next call. One launch: no memset before, no cast kernel after."""
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -279,12 +283,22 @@ def _decode_kernel(
             acc = _dot(d5, x5, acc, FP32_DOT)
             acc = _dot(d6, x6, acc, FP32_DOT)
             acc = _dot(d7, x7, acc, FP32_DOT)
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = m_mask[None, :] & n_mask[:, None]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    if SPLIT:
+        tl.atomic_add(ws_ptr + out_offs, acc, mask=out_mask, sem="relaxed")
+        # Every thread's adds happen before the barrier; the ticket's release (cumulative) publishes them, and
+        # the last program's acquire makes all splits' adds visible to its loads (L2, where the adds landed).
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:
+            total = tl.load(ws_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(ws_ptr + out_offs, tl.zeros_like(total), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
     else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -454,6 +468,24 @@ def _num_sms(device) -> int:
     return _NUM_SMS[idx]
 
 
+_WORKSPACES: dict = {}
+
+
+def _split_workspace(device, n_values: int, n_tiles: int):
+    """(fp32 partial sums, int32 tickets): zeroed once, left zeroed by every split-K launch (its last program per
+    tile cleans up), so decode needs no memset and no cast kernel per call. One per (device, stream): launches on
+    one stream run in order. Two CUDA graphs captured on the same stream must not be replayed concurrently."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    ws, count = _WORKSPACES.get(key, (None, None))
+    if ws is None or ws.numel() < n_values or count.numel() < n_tiles:
+        grow = max(n_values, 2 * ws.numel() if ws is not None else 0)
+        ws = torch.zeros(grow, device=device, dtype=torch.float32)
+        count = torch.zeros(max(n_tiles, 2 * count.numel() if count is not None else 0, 1024), device=device,
+                            dtype=torch.int32)
+        _WORKSPACES[key] = (ws, count)
+    return ws, count
+
+
 def _splits(tiles: int, steps: int, n_sms: int, min_steps: int = 2, per_sm: int = 2) -> int:
     """Split the reduction until about `per_sm` programs per SM are busy, keeping >= min_steps steps per split."""
     split = 1
@@ -486,15 +518,22 @@ def _use_ptx(device, dtype) -> bool:
     return _PTX_OK[key]
 
 
-def _decode_config(m: int, interpret: bool):
-    if interpret:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)
-    # H200 sweeps (benchmarks/results/w4a16_sweep*.json, 2026-11-29): 256 columns, 4 warps, 3 stages was within 2%
-    # of the best configuration of each Llama-3 8B/70B shape at M = 1 and 16; from 33 rows a 64-row tile with
-    # 128 columns was faster on all three shapes tried.
+def _decode_config(m: int, interpret: bool, factored_groups: bool):
+    """Launch configuration for M rows. factored_groups: every K tile lies in one quantization group (group size
+    a multiple of 128, or one group), so scales apply once per tile and output."""
+    small = m <= 8 and factored_groups
+    if interpret:  # the GPU's row tiles, narrower columns: fast enough for the interpreter
+        return dict(BLOCK_M=(1 if m == 1 else 8) if small else 16, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=1)
+    # H200 sweeps (benchmarks/results/w4a16_sweep*.json). Up to 8 rows (session 3): a 1- or 8-row tile (Triton
+    # pads the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with 2 warps and ~2 programs per
+    # SM was 1.15-1.45x faster than the 16-row tile on Llama-3 8B/70B shapes. Not with groups smaller than a K
+    # tile: that variant dequantizes every weight, spills (Triton 3.6: 864 bytes of stack) and faulted once.
+    # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2); from 33 rows a 64-row tile with 128 columns.
+    if small:
+        return dict(BLOCK_M=1 if m == 1 else 8, BLOCK_N=256, num_warps=2, num_stages=3, per_sm=2)
     if m <= 32:
-        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=1)
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, per_sm=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -506,8 +545,8 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     m, k = x2.shape
     n = qweight.shape[1]
     interpret = _interpreting()
-    cfg = cfg or _decode_config(m, interpret)
     aligned = group_size % _BLOCK_K == 0 or group_size == k
+    cfg = cfg or _decode_config(m, interpret, aligned)
     if factored is None:
         factored = cfg["BLOCK_M"] <= 16
     factored = factored and aligned
@@ -516,20 +555,18 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
     k_steps = triton.cdiv(k, _BLOCK_K)
     if split_k is None:
-        split_k = _splits(n_tiles * m_tiles, k_steps, _num_sms(x2.device), min_steps=1, per_sm=1)
+        split_k = _splits(n_tiles * m_tiles, k_steps, _num_sms(x2.device), min_steps=1, per_sm=cfg.get("per_sm", 1))
     per_split = triton.cdiv(k_steps, split_k)
     split_k = triton.cdiv(k_steps, per_split)
-    # Split-K partial sums meet in a zeroed fp32 buffer through atomics. (Measured on the H200: ~10% faster in a
-    # CUDA graph than one launch in which the last split of each tile sums the others' partial tiles.)
-    target = out if split_k == 1 else torch.zeros((m, n), device=x2.device, dtype=torch.float32)
+    ws = count = out  # unused without split-K
+    if split_k > 1:
+        ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, n_tiles * m_tiles)
     _decode_kernel[(n_tiles, split_k, m_tiles)](
-        x2, qweight, scales, zeros, target, m, n, k, x2.stride(0), target.stride(0), group_size, per_split,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, FACTORED=factored, PER_ROW_GROUPS=per_row,
-        EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, ATOMIC=split_k > 1,
+        x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
+        split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, FACTORED=factored,
+        PER_ROW_GROUPS=per_row, EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1,
         USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if split_k > 1:
-        out.copy_(target)
     return out
 
 
