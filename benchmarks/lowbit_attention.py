@@ -107,19 +107,19 @@ DECODE_FP4_VARIANTS = {"rows": {"fp4_kernel": "rows", "unpack": 1},
                        "rows_intops": {"fp4_kernel": "rows", "unpack": 0}, "tile": DECODE_TILE}
 
 
-def _with_decode_config(fmt, over, fn, *args, **kwargs):
-    """Call fn with decode settings `over` layered on the current ones for `fmt` (restored afterwards)."""
+def _with_decode_config(cfg_fmt, over, fn, *args, **kwargs):
+    """Call fn with decode settings `over` layered on the current ones for `cfg_fmt` (restored afterwards)."""
     from hf_fastpath.kernels import lowbit_decode as ld
 
-    prev = ld.DECODE_CONFIG_OVERRIDE.get(fmt)
-    ld.DECODE_CONFIG_OVERRIDE[fmt] = {**(prev or {}), **over}
+    prev = ld.DECODE_CONFIG_OVERRIDE.get(cfg_fmt)
+    ld.DECODE_CONFIG_OVERRIDE[cfg_fmt] = {**(prev or {}), **over}
     try:
         return fn(*args, **kwargs)
     finally:
         if prev is None:
-            ld.DECODE_CONFIG_OVERRIDE.pop(fmt, None)
+            ld.DECODE_CONFIG_OVERRIDE.pop(cfg_fmt, None)
         else:
-            ld.DECODE_CONFIG_OVERRIDE[fmt] = prev
+            ld.DECODE_CONFIG_OVERRIDE[cfg_fmt] = prev
 
 
 def decode_checks():
@@ -262,8 +262,9 @@ SWEEP_CFGS = {128: [(64, 128, 4, 3)], 256: [(64, 64, 4, 2)]}
 SCALE_MODES = ("tma", "tma_pair")
 DECODE_SWEEP = []
 # FP4 rows kernel launch settings timed by --decode-sweep (the winner per format is used by the decode table)
-DECODE_FP4_SWEEP = [dict(fp4_kernel="rows", unpack=1, block_n=bn, num_warps=w, num_stages=st, waves=wv)
-                    for bn, w in ((64, 4), (128, 4), (128, 8)) for st in (2, 3) for wv in (2, 4)]
+DECODE_FP4_SWEEP = [dict(fp4_kernel="rows", block_n=bn, num_warps=w, num_stages=st, waves=wv)
+                    for bn, w, waves in ((64, 2, (4, 8)), (64, 4, (2, 4)), (128, 4, (2, 4)), (128, 8, (2, 4)))
+                    for st in (2, 3) for wv in waves]
 
 
 def _sweep_variants():
@@ -625,6 +626,8 @@ def decode_only(args):
     tasks = [("decode_variant", v, {}) for v in _decode_variants(fp4_only=True)]
     res["precompile_errors"] = precompile(tasks + [("decode_checks", None, {}), ("decode", None, {})])
     PRECOMPILED = True
+    from hf_fastpath.kernels import lowbit_decode as ld
+
     for name, fn in (("decode_checks", decode_checks), ("decode_sweep", decode_sweep),
                      ("decode", lambda: decode_cases(args.quick))):
         try:
@@ -632,6 +635,13 @@ def decode_only(args):
         except Exception:
             res[name + "_error"] = traceback.format_exc()
             _log(res[name + "_error"])
+        if name == "decode_checks":  # the PTX unpack must be exact on this stack, else time the integer-op one
+            bad = [k_ for k_, r in res.get(name, {}).items() if "_rows_hd" in k_
+                   and not r.get("cos_vs_dequantized_fp32", 0) > 0.999]
+            if bad:
+                ld.DECODE_CONFIG["unpack"] = 0
+                res["unpack_fallback"] = bad
+                _log("PTX unpack rejected by the checks, using unpack=0:", bad)
         json.dump(res, open(path, "w"), indent=1)
     if res.get("decode_sweep", {}).get("winners"):  # the table ran with the winners: compile them too next time
         res["decode_config_used"] = res["decode_sweep"]["winners"]
