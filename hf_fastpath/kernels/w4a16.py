@@ -525,12 +525,15 @@ def _decode_config(m: int, interpret: bool, factored_groups: bool):
     if interpret:  # the GPU's row tiles, narrower columns: fast enough for the interpreter
         return dict(BLOCK_M=(1 if m == 1 else 8) if small else 16, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=1)
     # H200 sweeps (benchmarks/results/w4a16_sweep*.json). Up to 8 rows (session 3): a 1- or 8-row tile (Triton
-    # pads the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with 2 warps and ~2 programs per
-    # SM was 1.15-1.45x faster than the 16-row tile on Llama-3 8B/70B shapes. Not with groups smaller than a K
-    # tile: that variant dequantizes every weight, spills (Triton 3.6: 864 bytes of stack) and faulted once.
+    # pads the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with ~2 programs per SM was
+    # 1.15-1.45x faster than the 16-row tile on Llama-3 8B/70B shapes (w4a16_sweep_s3*.json). Not with groups
+    # smaller than a K tile: that variant dequantizes every weight, spills (Triton 3.6: 864 bytes of stack) and
+    # faulted once on the H200.
     # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2); from 33 rows a 64-row tile with 128 columns.
+    if small and m == 1:
+        return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2)
     if small:
-        return dict(BLOCK_M=1 if m == 1 else 8, BLOCK_N=256, num_warps=2, num_stages=3, per_sm=2)
+        return dict(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=2)
     if m <= 32:
         return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=1)
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, per_sm=1)
