@@ -103,8 +103,19 @@ def gpu_checks():
     return out
 
 
-DECODE_FP4_VARIANTS = {"rows": {"fp4_kernel": "rows", "unpack": 1},
-                       "rows_intops": {"fp4_kernel": "rows", "unpack": 0}, "tile": DECODE_TILE}
+# name -> (decode settings, FP4 byte layout of the cache)
+DECODE_FP4_VARIANTS = {"rows": ({"fp4_kernel": "rows", "unpack": 1}, "decode"),
+                       "rows_intops": ({"fp4_kernel": "rows", "unpack": 0}, "decode"),
+                       "rows_nibbles": ({"fp4_kernel": "rows", "unpack": 1}, "nibbles"),
+                       "rows_nibbles_intops": ({"fp4_kernel": "rows", "unpack": 0}, "nibbles"),
+                       "tile": (DECODE_TILE, "nibbles")}
+
+
+def _in_layout(cache, layout):
+    """(data, row, block) of an FP4 cache with its bytes in `layout` ("nibbles" as quantized, or "decode")."""
+    from hf_fastpath.kernels import lowbit_quant as lq
+
+    return cache if layout == "nibbles" else (lq.recode_for_decode(cache[0]),) + tuple(cache[1:])
 
 
 def _with_decode_config(cfg_fmt, over, fn, *args, **kwargs):
@@ -143,10 +154,13 @@ def decode_checks():
             ref = torch.nn.functional.scaled_dot_product_attention(
                 q[:, :, None].float(), kd[:, :, :4999].float().repeat_interleave(hq // hkv, 1),
                 vd[:, :, :4999].float().repeat_interleave(hq // hkv, 1))[:, :, 0]
-            for name, over in (DECODE_FP4_VARIANTS.items() if fmt in ("mxfp4", "nvfp4") else [("", {})]):
+            for name, (over, layout) in (DECODE_FP4_VARIANTS.items() if fmt in ("mxfp4", "nvfp4")
+                                         else [("", ({}, "nibbles"))]):
                 key = f"decode_{fmt}{'_' + name if name else ''}_hd{d}"
                 try:
-                    o, _ = _with_decode_config(fmt, over, ld.lowbit_decode, q, kc, vc, 4999, fmt=fmt)
+                    kc_, vc_ = _in_layout(kc, layout), _in_layout(vc, layout)
+                    o, _ = _with_decode_config(fmt, over, ld.lowbit_decode, q, kc_, vc_, 4999, fmt=fmt,
+                                               code_layout=layout)
                     out[key] = dict(cos_vs_dequantized_fp32=_cos(o.float(), ref), rel=_rel(o.float(), ref))
                 except Exception as e:
                     out[key] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:])
@@ -398,10 +412,11 @@ def _run_decode_variant(v, time_it=True):
     k, vv = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     qk, qv = lq.quantize_rows(k, v["fmt"], check=False), lq.quantize_rows(vv, v["fmt"], check=False)
     del k, vv
-    kc, vc = (qk.data, qk.scale, qk.block_scale), (qv.data, qv.scale, qv.block_scale)
+    kc = _in_layout((qk.data, qk.scale, qk.block_scale), "decode")
+    vc = _in_layout((qv.data, qv.scale, qv.block_scale), "decode")
     ld.DECODE_CONFIG_OVERRIDE[v["fmt"]] = dict(v["cfg"])
     try:
-        fn = lambda: ld.lowbit_decode(q, kc, vc, n, fmt=v["fmt"])  # noqa: E731
+        fn = lambda: ld.lowbit_decode(q, kc, vc, n, fmt=v["fmt"], code_layout="decode")  # noqa: E731
         fn()
         torch.cuda.synchronize()
         if not time_it:
@@ -536,13 +551,19 @@ def decode_cases(quick=False, time_it=True):
             variants["ours_bf16_flash_splitkv"] = (lambda: flash_attention_forward(qs_, ks_, vs_)[0].transpose(1, 2),
                                                    2.0 * d)
         for fmt, (kc, vc, bpt) in caches.items():
-            variants[f"decode_{fmt}"] = ((lambda kc=kc, vc=vc, fmt=fmt:
-                                          ld.lowbit_decode(q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]), bpt)
-            if fmt in ("mxfp4", "nvfp4"):  # the session-2 kernel (every value scaled in registers)
-                variants[f"decode_{fmt}_tile"] = (
-                    (lambda kc=kc, vc=vc, fmt=fmt: _with_decode_config(
-                        fmt, DECODE_TILE, ld.lowbit_decode, q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]),
-                    bpt)
+            if fmt not in ("mxfp4", "nvfp4"):
+                variants[f"decode_{fmt}"] = ((lambda kc=kc, vc=vc, fmt=fmt:
+                                              ld.lowbit_decode(q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]), bpt)
+                continue
+            # shipped: the cache's decode byte layout (what LowBitCache(packed_decode=True) stores), rows kernel
+            kd_, vd_ = _in_layout(kc, "decode"), _in_layout(vc, "decode")
+            variants[f"decode_{fmt}"] = ((lambda kc=kd_, vc=vd_, fmt=fmt: ld.lowbit_decode(
+                q[:, :, 0], kc, vc, n, fmt=fmt, code_layout="decode")[0][:, :, None]), bpt)
+            # rows kernel on the standard nibbles; the session-2 kernel (every value scaled in registers)
+            for name, over in (("nibbles", {"fp4_kernel": "rows"}), ("tile", DECODE_TILE)):
+                variants[f"decode_{fmt}_{name}"] = (
+                    (lambda kc=kc, vc=vc, fmt=fmt, over=over: _with_decode_config(
+                        fmt, over, ld.lowbit_decode, q[:, :, 0], kc, vc, n, fmt=fmt)[0][:, :, None]), bpt)
         if not time_it:
             for fn, _ in variants.values():
                 try:
@@ -636,7 +657,7 @@ def decode_only(args):
             res[name + "_error"] = traceback.format_exc()
             _log(res[name + "_error"])
         if name == "decode_checks":  # the PTX unpack must be exact on this stack, else time the integer-op one
-            bad = [k_ for k_, r in res.get(name, {}).items() if "_rows_hd" in k_
+            bad = [k_ for k_, r in res.get(name, {}).items() if ("_rows_hd" in k_ or "_rows_nibbles_hd" in k_)
                    and not r.get("cos_vs_dequantized_fp32", 0) > 0.999]
             if bad:
                 ld.DECODE_CONFIG["unpack"] = 0

@@ -128,3 +128,63 @@ def test_explicit_splits_and_integer_unpack(monkeypatch):
     out, lse = ld.lowbit_decode(q, kc, vc, 90, fmt="mxfp4", softmax_scale=0.2, num_splits=7, block_n=16)
     torch.testing.assert_close(lse, rl, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(out.float(), ro, atol=1e-2, rtol=1e-2)
+
+
+def test_decode_byte_layout_is_a_bijection_keeping_both_codes():
+    b = torch.arange(256, dtype=torch.uint8)
+    rec = lq.recode_for_decode(b)
+    assert torch.equal(lq.recode_from_decode(rec), b) and len(set(rec.tolist())) == 256
+    # even element: magnitude bits 0-2, sign bit 6; odd element: bits 3-5, sign bit 7
+    even, odd = b & 0xF, b >> 4
+    r = rec.int()
+    assert torch.equal((r & 7) | ((r >> 3) & 8), even.int()) and torch.equal(((r >> 3) & 7) | ((r >> 4) & 8), odd.int())
+
+
+def test_ptx_unpack_of_decode_layout_gives_every_e2m1_value_exactly():
+    program = ld._E2M1_F16_RECODED_PTX.value if hasattr(ld._E2M1_F16_RECODED_PTX, "value") \
+        else ld._E2M1_F16_RECODED_PTX
+    gen = torch.Generator().manual_seed(1)
+    for pos in range(4):
+        for byte in range(256):
+            word = torch.randint(0, 256, (4,), generator=gen).tolist()
+            word[pos] = byte
+            rec = lq.recode_for_decode(torch.tensor(word, dtype=torch.uint8)).tolist()
+            regs = _run_ptx(program, {"$4": sum(b << (8 * i) for i, b in enumerate(rec))})
+            even = _halves(regs["$0"]) + _halves(regs["$1"])
+            odd = _halves(regs["$2"]) + _halves(regs["$3"])
+            codes = torch.tensor(word, dtype=torch.uint8)
+            assert even == (lq.e2m1_decode(codes & 0xF) / 16384).tolist()
+            assert odd == (lq.e2m1_decode(codes >> 4) / 16384).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("kernel", ["rows", "tile"])
+def test_decode_layout_cache_matches_reference(fmt, kernel, monkeypatch):
+    """Recoded bytes through the rows kernel (integer-op unpack under the interpreter), and through the tile kernel's
+    fallback that converts back to nibbles."""
+    monkeypatch.setitem(ld.DECODE_CONFIG_OVERRIDE, fmt, {"fp4_kernel": kernel})
+    q, kc, vc, ro, rl = _case(2, 8, 2, 45, 64, fmt, seed=7)
+    kc = (lq.recode_for_decode(kc[0]),) + kc[1:]
+    vc = (lq.recode_for_decode(vc[0]),) + vc[1:]
+    out, lse = ld.lowbit_decode(q, kc, vc, 45, fmt=fmt, softmax_scale=0.2, code_layout="decode")
+    torch.testing.assert_close(lse, rl, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.float(), ro, atol=1e-2, rtol=1e-2)
+
+
+def test_bad_code_layout():
+    q, kc, vc, _, _ = _case(1, 2, 2, 4, 32, "mxfp4")
+    with pytest.raises(ValueError, match="code_layout"):
+        ld.lowbit_decode(q, kc, vc, 4, fmt="mxfp4", code_layout="packed")
+
+
+def test_packed_cache_stores_decode_layout_and_reads_the_same_values():
+    from hf_fastpath.integrations.lowbit_cache import LowBitCache
+
+    x = torch.randn(1, 2, 11, 32)
+    plain, packed = LowBitCache("nvfp4"), LowBitCache("nvfp4", packed_decode=True)
+    k_plain, _ = plain.update(x, x, 0)
+    packed.update(x, x, 0)
+    store = packed.layers[0].k_store
+    assert store.code_layout == "decode"
+    assert torch.equal(store.data[:, :, :11], lq.recode_for_decode(plain.layers[0].k_store.data[:, :, :11]))
+    torch.testing.assert_close(store.dequantize(torch.float32), k_plain, rtol=0, atol=0)

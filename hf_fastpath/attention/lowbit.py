@@ -109,11 +109,14 @@ def _packed_decode(q, k, v, softmax_scale, return_lse):
     """One query token per sequence against a packed low-bit KV cache (`[B, 1, H, D]` q, transposed K/V views)."""
     from ..kernels.lowbit_decode import lowbit_decode
 
-    kfmt, kview, length, k_t = k.packed_cache_view()
-    _, vview, _, v_t = v.packed_cache_view()
+    kfmt, kview, length, k_t, k_layout = k.packed_cache_view()
+    _, vview, _, v_t, v_layout = v.packed_cache_view()
     if not (k_t and v_t):
         raise ValueError("packed K/V must be given in the [B, S, H, D] layout (transpose(1, 2) of the cache)")
-    out, lse = lowbit_decode(q[:, 0], kview, vview, length, fmt=kfmt, softmax_scale=softmax_scale)
+    if k_layout != v_layout:
+        raise ValueError(f"packed K and V code layouts differ ({k_layout} / {v_layout})")
+    out, lse = lowbit_decode(q[:, 0], kview, vview, length, fmt=kfmt, softmax_scale=softmax_scale,
+                             code_layout=k_layout)
     out = out[:, None]
     return (out, lse[:, :, None]) if return_lse else out
 

@@ -13,7 +13,8 @@ What `update` hands back to the attention function:
 - `packed_decode=True` (use with attn_implementation "fastpath_fp8" / "fastpath_fp4"): lightweight `PackedKV`
   tensors. hf_fastpath's low-bit attention runs decode steps with the split-KV kernel that reads the packed
   cache directly (`hf_fastpath.kernels.lowbit_decode`); any other use of them dequantizes first, so other
-  attention implementations still compute the right thing, only slower.
+  attention implementations still compute the right thing, only slower. FP4 bytes are then stored in the decode
+  byte layout (`lowbit_quant.recode_for_decode`, same codes, bits placed for a cheaper unpack).
 
 Built on the layer extension point both Transformers 5.17 and 5.24 have: `Cache(layer_class_to_replicate=...)`
 with a `DynamicLayer` subclass. Full-attention layers only (no sliding-window layers).
@@ -33,10 +34,12 @@ aten = torch.ops.aten
 
 
 class _Store:
-    """Growable quantized storage for one of K or V: data/row/block buffers `[B, Hkv, capacity, ...]`."""
+    """Growable quantized storage for one of K or V: data/row/block buffers `[B, Hkv, capacity, ...]`.
+    `decode_layout`: FP4 bytes kept in `lowbit_quant.recode_for_decode`'s layout (cheaper for the decode kernel)."""
 
-    def __init__(self, fmt: str):
+    def __init__(self, fmt: str, decode_layout: bool = False):
         self.fmt = fmt
+        self.code_layout = "decode" if decode_layout and fmt in ("mxfp4", "nvfp4") else "nibbles"
         self.data = self.row = self.block = None
         self.length = 0
         self.head_dim = None
@@ -65,7 +68,7 @@ class _Store:
         n = x.shape[2]
         self._grow(qr, self.length + n)
         sl = slice(self.length, self.length + n)
-        self.data[:, :, sl] = qr.data
+        self.data[:, :, sl] = qr.data if self.code_layout == "nibbles" else lq.recode_for_decode(qr.data)
         if qr.scale is not None:
             self.row[:, :, sl] = qr.scale
         if qr.block_scale is not None:
@@ -74,7 +77,10 @@ class _Store:
 
     def rows(self) -> lq.QuantizedRows:
         n = self.length
-        return lq.QuantizedRows(self.fmt, self.data[:, :, :n], None if self.row is None else self.row[:, :, :n],
+        data = self.data[:, :, :n]
+        if self.code_layout == "decode":
+            data = lq.recode_from_decode(data)
+        return lq.QuantizedRows(self.fmt, data, None if self.row is None else self.row[:, :, :n],
                                 None if self.block is None else self.block[:, :, :n], self.head_dim)
 
     def dequantize(self, dtype) -> torch.Tensor:
@@ -111,8 +117,8 @@ class PackedKV(torch.Tensor):
         return f"PackedKV({self.store.fmt}, shape={tuple(self.shape)}, transposed={self.transposed})"
 
     def packed_cache_view(self):
-        """`(fmt, (data, row, block), length, transposed)` for the decode kernel."""
-        return self.store.fmt, self.store.kernel_view(), self.store.length, self.transposed
+        """`(fmt, (data, row, block), length, transposed, code_layout)` for the decode kernel."""
+        return self.store.fmt, self.store.kernel_view(), self.store.length, self.transposed, self.store.code_layout
 
     def materialize(self) -> torch.Tensor:
         x = self.store.dequantize(self.dtype)
@@ -143,7 +149,7 @@ class LowBitLayer(DynamicLayer):
 
     def __init__(self, *args, **kwargs):
         super().__init__()
-        self.k_store, self.v_store = _Store(self.fmt), _Store(self.fmt)
+        self.k_store, self.v_store = self._stores()
         self.dtype = None
 
     def lazy_initialization(self, key_states, value_states=None, *args, **kwargs):
@@ -171,8 +177,11 @@ class LowBitLayer(DynamicLayer):
     def get_max_cache_shape(self) -> int:  # Transformers < 5.20 name
         return -1
 
+    def _stores(self):
+        return _Store(self.fmt, self.packed_decode), _Store(self.fmt, self.packed_decode)
+
     def reset(self) -> None:
-        self.k_store, self.v_store = _Store(self.fmt), _Store(self.fmt)
+        self.k_store, self.v_store = self._stores()
         self.keys = self.values = None
         self.is_initialized = False
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import lowbit_quant as lq
 from .lowbit_attention import _cdiv, _next_pow2, interpreting
 
 __all__ = ["lowbit_decode", "FMT_CODES"]
@@ -162,17 +163,45 @@ lop3.b32 $1, t, 0x0E000E00, u, 0xEA;
 
 
 
+# The same for the decode byte layout (`lowbit_quant.recode_for_decode`: even element's magnitude in bits 0-2 and
+# sign in bit 6, odd element's in bits 3-5 and 7): one shift + one mask gives the even elements, three ops the odd
+# ones. 1.5 integer ops per value instead of 2.
+_E2M1_F16_RECODED_PTX = tl.constexpr("""{
+.reg .b32 x, y, t;
+prmt.b32 x, $4, 0, 0x1404;
+prmt.b32 y, $4, 0, 0x3424;
+shl.b32 t, x, 1;
+and.b32 $0, t, 0x8E008E00;
+shl.b32 t, y, 1;
+and.b32 $1, t, 0x8E008E00;
+shr.b32 t, x, 2;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 $2, x, 0x80008000, t, 0xEA;
+shr.b32 t, y, 2;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 $3, y, 0x80008000, t, 0xEA;
+}""")
+
+
 @triton.jit
-def _e2m1_unpack(byte, EMULATE: tl.constexpr, UNPACK: tl.constexpr):
-    """Packed bytes -> (low-nibble values, high-nibble values) of the same shape: fp16 numbers code * 2**-14
-    (fp32 under the interpreter)."""
+def _e2m1_unpack(byte, EMULATE: tl.constexpr, UNPACK: tl.constexpr, RECODED: tl.constexpr):
+    """Packed bytes -> (even-element values, odd-element values) of the same shape: fp16 numbers code * 2**-14
+    (fp32 under the interpreter). RECODED: bytes in the decode layout of `lowbit_quant.recode_for_decode`."""
     if UNPACK == 1 and not EMULATE:
-        lo, hi = tl.inline_asm_elementwise(_E2M1_F16_PTX, "=r,=r,=r,=r,r", [byte],
-                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        if RECODED:
+            lo, hi = tl.inline_asm_elementwise(_E2M1_F16_RECODED_PTX, "=r,=r,=r,=r,r", [byte],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_E2M1_F16_PTX, "=r,=r,=r,=r,r", [byte],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         x = byte.to(tl.int32)
-        lo = (((x & 7) << 9) | ((x & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (((x & 0x70) << 5) | ((x & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        if RECODED:
+            lo = (((x & 7) << 9) | ((x & 0x40) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (((x & 0x38) << 6) | ((x & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            lo = (((x & 7) << 9) | ((x & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (((x & 0x70) << 5) | ((x & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
         if EMULATE:
             lo = lo.to(tl.float32)
             hi = hi.to(tl.float32)
@@ -197,7 +226,7 @@ def _block_scales(BSC, ROWS, tok, n_ok, NB: tl.constexpr, FMT: tl.constexpr):
 def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP, tokens_per_split, qk_scale,
                        NUM_SPLITS, HQ: tl.constexpr, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                        FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
-                       UNPACK: tl.constexpr):
+                       UNPACK: tl.constexpr, RECODED: tl.constexpr):
     """FP4 cache. The MMA rows are (query head, scale block) pairs: row (g, b) holds head g's query restricted to
     block b's dims, so Q_rows . codes gives each block's partial score; the block scales then multiply [rows, keys]
     partials (once per block, not once per value) and a sum over b gives the score. For P.V, row (g, b) of P
@@ -237,7 +266,7 @@ def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP,
         n_ok = offs_n < end
         tok = base_tok + offs_n
         kb = tl.load(KD + tok[:, None] * DH + offs_j[None, :], mask=n_ok[:, None], other=0)
-        k_lo, k_hi = _e2m1_unpack(kb, EMULATE, UNPACK)
+        k_lo, k_hi = _e2m1_unpack(kb, EMULATE, UNPACK, RECODED)
         s_rows = tl.dot(q_lo, tl.trans(k_lo))
         s_rows = tl.dot(q_hi, tl.trans(k_hi), s_rows)
         ksc = _block_scales(KB, KR, tok, n_ok, NB, FMT)
@@ -250,7 +279,7 @@ def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP,
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vb = tl.load(VD + tok[:, None] * DH + offs_j[None, :], mask=n_ok[:, None], other=0)
-        v_lo, v_hi = _e2m1_unpack(vb, EMULATE, UNPACK)
+        v_lo, v_hi = _e2m1_unpack(vb, EMULATE, UNPACK, RECODED)
         vsc = _block_scales(VB, VR, tok, n_ok, NB, FMT)
         # P rows carry the V scales relative to the tile's largest (<= 1: no fp16 overflow); the largest and the
         # codes' 2**14 go back on the product
@@ -317,13 +346,18 @@ def _num_splits(programs: int, kv_len: int, block_n: int, device, cfg=DECODE_CON
     return max(1, min(want, _cdiv(kv_len, cfg["min_tokens_per_split"]), 256))
 
 
-def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_splits=None, block_n=None):
+def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_splits=None, block_n=None,
+                  code_layout="nibbles"):
     """One decode step. q `[B, Hq, D]`; `k_cache`/`v_cache` are `(data, row_scale|None, block_scale|None)` in the
-    layout of the module docstring; `kv_len` valid tokens (the same for every sequence). Returns out `[B, Hq, D]`
-    (q's dtype) and lse `[B, Hq]` fp32."""
+    layout of the module docstring; `kv_len` valid tokens (the same for every sequence). FP4 `code_layout`:
+    "nibbles" (`lowbit_quant.pack_nibbles`) or "decode" (`lowbit_quant.recode_for_decode`, cheaper to unpack).
+    Returns out `[B, Hq, D]` (q's dtype) and lse `[B, Hq]` fp32."""
     b, hq, d = q.shape
     kd, kr, kb = k_cache
     vd, vr, vb = v_cache
+    if code_layout not in ("nibbles", "decode"):
+        raise ValueError(f"code_layout must be 'nibbles' or 'decode', got {code_layout!r}")
+    recoded = code_layout == "decode" and fmt in ("mxfp4", "nvfp4")
     hkv, s_cap = kd.shape[1], kd.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
@@ -344,13 +378,16 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dummy = l_part
     q = q.contiguous()
-    if code >= 2 and cfg["fp4_kernel"] == "rows" and d >= 32:
+    rows_kernel = code >= 2 and d >= 32 and (cfg["fp4_kernel"] == "rows" or recoded)
+    if recoded and not rows_kernel:  # only the rows kernel reads the decode layout: back to nibbles (slow path)
+        kd, vd = lq.recode_from_decode(kd), lq.recode_from_decode(vd)
+    if rows_kernel:
         nb = d // block
         _decode_fp4_kernel[(b * hkv, splits)](
             q, kd, kr if kr is not None else dummy, kb, vd, vr if vr is not None else dummy, vb,
             o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E, splits,
             HQ=hq, HKV=hkv, G_PAD=max(_next_pow2(g), _cdiv(16, nb)), D=d, FMT=code, BLOCK=block, BLOCK_N=block_n,
-            EMULATE=interpreting(), UNPACK=cfg["unpack"], num_warps=cfg["num_warps"],
+            EMULATE=interpreting(), UNPACK=cfg["unpack"], RECODED=recoded, num_warps=cfg["num_warps"],
             num_stages=1 if interpreting() else cfg["num_stages"],
         )
     else:

@@ -40,6 +40,8 @@ __all__ = [
     "unpack_nibbles",
     "ceil_pow2",
     "fp4_rows_to_e4m3",
+    "recode_for_decode",
+    "recode_from_decode",
 ]
 
 FORMATS = ("fp8", "mxfp4", "nvfp4")
@@ -207,3 +209,28 @@ def fp4_rows_to_e4m3(qr: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
         rel = qr.block_scale.float() / 8.0
     e4 = (vals * rel[..., None]).flatten(-2).to(FP8_DTYPE)
     return e4, row
+
+
+# Decode byte layout of packed FP4 (used by `LowBitCache(packed_decode=True)`): the same two codes per byte, with the
+# bits placed so a GPU turns them into fp16 numbers with fewer integer operations. Even element: magnitude in bits
+# 0-2, sign in bit 6; odd element: magnitude in bits 3-5, sign in bit 7. (Standard: even = low nibble, odd = high.)
+def _decode_layout_tables():
+    b = torch.arange(256, dtype=torch.int32)
+    even, odd = b & 0xF, b >> 4
+    fwd = (even & 7) | ((even & 8) << 3) | ((odd & 7) << 3) | ((odd & 8) << 4)
+    inv = torch.empty(256, dtype=torch.int32)
+    inv[fwd] = b
+    return fwd.to(torch.uint8), inv.to(torch.uint8)
+
+
+_TO_DECODE, _FROM_DECODE = _decode_layout_tables()
+
+
+def recode_for_decode(packed: torch.Tensor) -> torch.Tensor:
+    """Standard packed FP4 bytes -> the decode byte layout (a bijection on bytes)."""
+    return _TO_DECODE.to(packed.device)[packed.long()]
+
+
+def recode_from_decode(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `recode_for_decode`."""
+    return _FROM_DECODE.to(packed.device)[packed.long()]
