@@ -39,6 +39,8 @@ _LAZY = {
     "describe_backends": "hf_fastpath.attention.backends",
     "fp8_attention": "hf_fastpath.attention.lowbit",
     "fp4_attention": "hf_fastpath.attention.lowbit",
+    "use_chunked_loss": "hf_fastpath.integrations.causal_lm_loss",
+    "chunked_linear_cross_entropy": "hf_fastpath.losses",
 }
 
 

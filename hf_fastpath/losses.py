@@ -7,7 +7,8 @@ the 4-bit weights of an 8B model. Here the rows (tokens) are processed in chunks
 computed, reduced to the loss, turned into their gradient and multiplied back into the gradient of `hidden` (and of
 `weight` / `bias` when those require grad), then freed. Only one chunk of logits ever exists. On the GPU a Triton
 kernel (one program per row: online max / sum of exp in fp32, then the gradient written over the logits in place)
-makes that chunk, in the matmul dtype, the only [rows, vocab] buffer; the CPU path uses torch ops on an fp32 copy.
+(`kernels/cross_entropy.py`) makes that chunk, in the matmul dtype, the only [rows, vocab] buffer; the CPU path uses
+torch ops on an fp32 copy.
 Rows without a target (-100) are dropped before the matmul.
 
 Tensors in, tensors out: no Transformers import here (the Transformers wiring is
@@ -19,8 +20,8 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+from .kernels.cross_entropy import cross_entropy_rows_
 
 __all__ = ["chunked_linear_cross_entropy", "default_chunk_rows", "CHUNK_BYTES"]
 
@@ -182,7 +183,8 @@ def _rows_loss_and_grad(logits, target, scale, softcap, need_grad):
     the logits in place: the chunk is the only [rows, V] buffer. The torch path (CPU, fp64) needs an fp32 copy."""
     use_triton = logits.dtype != torch.float64 and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
     if use_triton:
-        return _rows_loss_and_grad_triton(logits, target, scale, softcap, need_grad)
+        loss = cross_entropy_rows_(logits, target, scale, softcap, need_grad)
+        return loss, (logits if need_grad else None)
     return _rows_loss_and_grad_torch(logits, target, scale, softcap, need_grad)
 
 
@@ -206,64 +208,3 @@ def _rows_loss_and_grad_torch(logits, target, scale, softcap, need_grad):
         z.mul_(tanh.square_().neg_().add_(1.0))
     z.mul_(scale.to(acc_dtype))
     return loss, z.to(logits.dtype)
-
-
-def _rows_loss_and_grad_triton(logits, target, scale, softcap, need_grad):
-    rows, vocab = logits.shape
-    loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    if rows == 0:
-        return loss, (logits if need_grad else None)
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    block = min(triton.next_power_of_2(vocab), 256 if interpreting else 4096)
-    _ce_rows_kernel[(rows,)](
-        logits, logits.stride(0), target, loss, scale.float(), vocab, float(softcap or 1.0),
-        HAS_SOFTCAP=softcap is not None, NEED_GRAD=need_grad, BLOCK=block, num_warps=8)
-    return loss, (logits if need_grad else None)
-
-
-@triton.jit
-def _softcapped(x, cap, HAS_SOFTCAP: tl.constexpr):
-    """(value, tanh) with value = cap * tanh(x / cap) when soft-capping (tanh through exp: portable to the
-    interpreter); (x, 0) otherwise."""
-    if HAS_SOFTCAP:
-        t = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
-        return cap * t, t
-    else:
-        return x, 0.0 * x
-
-
-@triton.jit
-def _ce_rows_kernel(LOGITS, stride_row, TARGET, LOSS, SCALE, V, cap, HAS_SOFTCAP: tl.constexpr,
-                    NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row: pass 1 an online max / sum of exp over the vocabulary (fp32, per lane), loss =
-    log-sum-exp - logit[target]; pass 2 overwrites the row with (softmax - onehot(target)) * scale [* (1 - tanh²)].
-    Reads the row twice and writes it once in its own dtype: no fp32 copy of the chunk."""
-    row = tl.program_id(0).to(tl.int64)
-    base = LOGITS + row * stride_row
-    offs = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        ok = start + offs < V
-        x = tl.load(base + start + offs, mask=ok, other=0.0).to(tl.float32)
-        x, _ = _softcapped(x, cap, HAS_SOFTCAP)
-        x = tl.where(ok, x, float("-inf"))
-        m_new = tl.maximum(m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that saw only padding stay at 0 / -inf
-        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-        m = m_new
-    m_row = tl.max(m, 0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
-    target = tl.load(TARGET + row)
-    x_t, _ = _softcapped(tl.load(base + target).to(tl.float32), cap, HAS_SOFTCAP)
-    tl.store(LOSS + row, lse - x_t)
-    if NEED_GRAD:
-        scale = tl.load(SCALE)
-        for start in range(0, V, BLOCK):
-            ok = start + offs < V
-            x = tl.load(base + start + offs, mask=ok, other=0.0).to(tl.float32)
-            x, t = _softcapped(x, cap, HAS_SOFTCAP)
-            g = tl.exp(x - lse) - tl.where(start + offs == target, 1.0, 0.0)
-            if HAS_SOFTCAP:
-                g = g * (1.0 - t * t)
-            tl.store(base + start + offs, (g * scale).to(LOGITS.dtype.element_ty), mask=ok)
