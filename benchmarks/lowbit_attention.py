@@ -133,7 +133,7 @@ def _with_decode_config(cfg_fmt, over, fn, *args, **kwargs):
             ld.DECODE_CONFIG_OVERRIDE[cfg_fmt] = prev
 
 
-def decode_checks():
+def decode_checks(head_dims=(128, 64)):
     """Every decode kernel variant against SDPA in fp32 on the dequantized cache (GQA 32/8, hd 128 and GQA 8/8 hd 64,
     odd length)."""
     from hf_fastpath.kernels import lowbit_decode as ld
@@ -141,6 +141,8 @@ def decode_checks():
 
     out = {}
     for hq, hkv, d in ((32, 8, 128), (8, 8, 64)):
+        if d not in head_dims:
+            continue
         torch.manual_seed(0)
         q = torch.randn(2, hq, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, hkv, 5000, d, device="cuda") for _ in range(2))
@@ -381,8 +383,13 @@ def decode_sweep():
     dvariants = _decode_variants(fp4_only=True)
     if not PRECOMPILED:
         precompile([("decode_variant", v, {}) for v in dvariants])
+    import time
+
     drows, winners = [], {}
     for v in dvariants:
+        if time.time() > SWEEP_DEADLINE:  # keep device time for the table
+            drows.append(dict(v, us_cudagraph="skipped: time budget"))
+            continue
         drows.append(dict(v, us_cudagraph=_run_decode_variant(v)))
         _log("decode sweep", drows[-1])
     for fmt in ("mxfp4", "nvfp4"):
@@ -449,13 +456,14 @@ def _precompile_task(task):
         elif name == "checks":
             gpu_checks()
         elif name == "decode_checks":
-            decode_checks()
+            decode_checks(*([arg] if arg else []))
         return None
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 PRECOMPILED = False  # main() compiled everything up front
+SWEEP_DEADLINE = float("inf")  # time.time() after which the decode sweep stops timing
 
 
 def precompile(tasks, workers=12):
@@ -641,12 +649,22 @@ def plot(path, png):
 def decode_only(args):
     """One GPU call for the decode side: compile everything in parallel, check every variant, sweep the FP4 launch
     settings, then the decode table with the winners."""
-    global PRECOMPILED
+    global PRECOMPILED, SWEEP_DEADLINE
+    import time
+
+    t0 = time.time()
     res = dict(env=_env())
     path = os.path.join(args.out, "lowbit_decode.json")
-    tasks = [("decode_variant", v, {}) for v in _decode_variants(fp4_only=True)]
-    res["precompile_errors"] = precompile(tasks + [("decode_checks", None, {}), ("decode", None, {})])
+    seen, tasks = set(), []
+    for v in _decode_variants(fp4_only=True):  # one task per distinct kernel (waves and length do not compile)
+        key = (v["fmt"], json.dumps({k_: x for k_, x in v["cfg"].items() if k_ != "waves"}, sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            tasks.append(("decode_variant", dict(v, n=8192), {}))
+    tasks += [("decode_checks", (128,), {}), ("decode_checks", (64,), {}), ("decode", None, {})]
+    res["precompile_errors"] = precompile(tasks)
     PRECOMPILED = True
+    SWEEP_DEADLINE = t0 + args.sweep_budget
     from hf_fastpath.kernels import lowbit_decode as ld
 
     for name, fn in (("decode_checks", decode_checks), ("decode_sweep", decode_sweep),
@@ -678,6 +696,8 @@ def main():
     ap.add_argument("--no-precompile", action="store_true", help="compile in the timing process only")
     ap.add_argument("--one-precompile", action="store_true", help="compile sweep and tables in one stage")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--sweep-budget", type=float, default=190.0,
+                    help="--decode-only: seconds from the start after which the launch sweep stops timing")
     ap.add_argument("--decode-only", action="store_true",
                     help="decode checks, FP4 decode launch sweep and the decode table only (lowbit_decode.json)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
