@@ -369,7 +369,7 @@ def e2e_breakdown(quick=False):
 
 def _decode_variants(fp4_only=False):
     if fp4_only:
-        return [dict(fmt=fmt, n=n, cfg=cfg) for fmt in ("mxfp4", "nvfp4") for cfg in DECODE_FP4_SWEEP
+        return [dict(fmt=fmt, n=n, cfg=cfg) for cfg in DECODE_FP4_SWEEP for fmt in ("mxfp4", "nvfp4")
                 for n in (32768, 131072)]
     return [dict(fmt=fmt, n=n, cfg=cfg) for fmt in ("fp8", "mxfp4", "nvfp4") for cfg in DECODE_SWEEP
             for n in (32768, 131072)]
