@@ -55,6 +55,7 @@ CASES = [
     (1, 64, 24, 32, F16, "sym"),  # groups smaller than a K tile: per-row scales
     (1, 256, 37, 128, BF16, "random"),  # odd N, one group per K tile: scale applied after the dot
     (3, 192, 40, 64, BF16, "random"),
+    (8, 256, 40, 128, F16, "random"),  # a full 8-row tile (M <= 8 with whole-tile groups: 1- and 8-row tiles)
     (3, 256, 72, -1, F16, "sym"),  # one group over all of K
     (2, 264, 24, -1, BF16, "random"),  # K not a multiple of the 128-row K tile: zeroed tail
     (5, 384, 40, 192, BF16, "random"),  # group of 192: not a multiple of the K tile

@@ -21,13 +21,16 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     y += s * (x.(bias+q) - (z + bias) * sum(x)). Larger M: weights are dequantized in pairs (q*s - z*s, fma).
   * Large M (> 64): dequantize W once into a scratch tile and call cuBLAS: on an H200 this beat our fused
     tensor-core kernel at every M >= 256 (the fused one is limited by the in-loop dequantization).
-  * Split-K partial sums meet in an fp32 buffer through atomics, then one cast.
+  * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
+    counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
+  * Up to 8 rows, 1- or 8-row tiles: Triton pads the MMA to its minimum shape, but the accumulator, the epilogue
+    and the registers shrink (mma.sync, 128 registers instead of wgmma's 227 at 16 rows: twice the resident warps).
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
-Status (H200, benchmarks/results/w4a16_small_m.json, 2026-11-29): M = 1 runs at 0.9-2.0 TB/s of weight traffic,
-1.35-1.77x cuBLAS bf16 (Llama-3 8B/70B shapes), level with torch's int4 tinygemm, 2-4x ahead of it at M = 16.
-The loop is ~2.6-3.2 instructions per weight (SASS), so beyond ~3 TB/s the unpack itself would bind; ncu showed
-20% occupancy (registers, shared memory) and 6.8 cycles per issued instruction at 8192x28672 before the last sweep.
+Status (H200, benchmarks/results/w4a16.json, 2026-11-29, session 3): M = 1 runs at 1.2-3.1 TB/s of weight traffic,
+1.83-2.61x cuBLAS bf16 on Llama-3 8B/70B shapes and 0.94-1.53x torch's int4 tinygemm; M = 8 1.59-2.24x; M = 16
+1.32-1.68x; M = 64 0.75-1.07x. The loop is ~1.9-2.3 SASS instructions per weight at M <= 8 (Triton 3.6, sm_90):
+the nibble unpack alone is ~1.1, so beyond ~3.5 TB/s the instruction issue itself would bind.
 """
 
 from __future__ import annotations
