@@ -1,16 +1,18 @@
 """Split-KV decode attention that reads a low-bit KV cache directly (Triton).
 
 One new query token per sequence attends to `kv_len` cached tokens. Grid: (batch x KV head, split); each program
-takes the whole GQA group of its KV head (the group's query heads are the rows of one tile, so each cached byte is
-read once per group) and one contiguous slice of the keys; a second kernel merges the slices by their LSE in fp32.
+takes the whole GQA group of its KV head (each cached byte is read once per group) and one contiguous slice of the
+keys; a second kernel merges the slices by their LSE in fp32.
 
 Cache layout per layer (`fmt` as in `lowbit_quant`): data `[B, Hkv, S_cap, Dq]` (Dq = D for bf16/fp8, D/2 for
-packed FP4), row scales fp32 `[B, Hkv, S_cap]` (fp8, nvfp4), block scales `[B, Hkv, S_cap, D/block]` (FP4).
+packed FP4, bytes as `pack_nibbles` or, `code_layout="decode"`, as `recode_for_decode`), row scales fp32
+`[B, Hkv, S_cap]` (fp8, nvfp4), block scales `[B, Hkv, S_cap, D/block]` (FP4).
 
-Every cached value becomes an exact fp16 number in registers (e4m3 directly; E2M1 through a bit trick, times its
-block scale relative to the row's largest), dotted with the fp16 query on tensor cores; the fp32 row factor
-multiplies the scores, and is folded into P (relative to the block's largest) for P.V. A bf16 cache runs in bf16.
-"""
+bf16 / fp8 (`_decode_split_kernel`): every cached value becomes an exact fp16 number in registers (e4m3 directly),
+dotted with the fp16 query on tensor cores; the fp32 row factor multiplies the scores and is folded into P.
+FP4 (`_decode_fp4_kernel`): the codes go to fp16 with 1.5-2 integer ops per value (PTX bit tricks) and are never
+multiplied by their scales: the block scales sit on the MMA rows (see that kernel's docstring).
+""""""
 
 from __future__ import annotations
 
@@ -331,11 +333,15 @@ def _combine_kernel(O_PART, L_PART, O, LSE, NUM_SPLITS, D: tl.constexpr, SPLITS_
 # scaled in registers, `_decode_split_kernel`); `unpack` 1 = PTX bit trick, 0 = Triton integer ops.
 DECODE_CONFIG = {"waves": 2, "min_tokens_per_split": 256, "block_n": None, "num_warps": 4, "num_stages": 3,
                  "fp4_kernel": "rows", "unpack": 1}
+# H200 sweep winners of the rows kernel (benchmarks/results/lowbit_attention_decode.json): small 2-warp programs,
+# many per SM (2 x 64 keys x 64 packed bytes per step)
+DECODE_FORMAT_DEFAULTS = {"mxfp4": {"block_n": 64, "num_warps": 2, "num_stages": 3, "waves": 8},
+                          "nvfp4": {"block_n": 64, "num_warps": 2, "num_stages": 3, "waves": 4}}
 DECODE_CONFIG_OVERRIDE: dict = {}  # fmt -> dict with any of the keys above
 
 
 def _settings(fmt: str) -> dict:
-    return {**DECODE_CONFIG, **DECODE_CONFIG_OVERRIDE.get(fmt, {})}
+    return {**DECODE_CONFIG, **DECODE_FORMAT_DEFAULTS.get(fmt, {}), **DECODE_CONFIG_OVERRIDE.get(fmt, {})}
 
 
 def _num_splits(programs: int, kv_len: int, block_n: int, device, cfg=DECODE_CONFIG) -> int:
