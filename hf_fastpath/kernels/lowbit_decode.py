@@ -12,7 +12,7 @@ bf16 / fp8 (`_decode_split_kernel`): every cached value becomes an exact fp16 nu
 dotted with the fp16 query on tensor cores; the fp32 row factor multiplies the scores and is folded into P.
 FP4 (`_decode_fp4_kernel`): the codes go to fp16 with 1.5-2 integer ops per value (PTX bit tricks) and are never
 multiplied by their scales: the block scales sit on the MMA rows (see that kernel's docstring).
-""""""
+"""
 
 from __future__ import annotations
 
