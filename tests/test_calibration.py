@@ -15,13 +15,7 @@ from hf_fastpath.quantization.rtn import rtn_quantize
 from tests.models import BASE_FAMILIES, FAMILIES, VOCAB, random_batch, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tests run thousands of tiny ops: thread hand-offs cost more than they save (badly so on a shared CPU).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def correlated_inputs(m: int, k: int, seed: int = 0) -> torch.Tensor:

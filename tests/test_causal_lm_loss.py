@@ -17,12 +17,7 @@ from hf_fastpath.quantization.training import prepare_model_for_qlora
 from tests.models import BASE_FAMILIES, random_batch, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def loss_and_grads(model, **inputs):

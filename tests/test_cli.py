@@ -15,12 +15,7 @@ from hf_fastpath.quantization.workflow import perplexity
 from tests.models import VOCAB, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads cost more than they save
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tiny_tokenizer():

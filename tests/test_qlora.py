@@ -32,13 +32,7 @@ from tests.models import random_batch, tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: a second thread only adds synchronisation (and costs a lot on a busy 2-core CI machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -162,9 +162,6 @@ and.b32 u, u, 0x80008000;
 lop3.b32 $1, t, 0x0E000E00, u, 0xEA;
 }""")
 
-
-
-
 # The same for the decode byte layout (`lowbit_quant.recode_for_decode`: even element's magnitude in bits 0-2 and
 # sign in bit 6, odd element's in bits 3-5 and 7): one shift + one mask gives the even elements, three ops the odd
 # ones. 1.5 integer ops per value instead of 2.
