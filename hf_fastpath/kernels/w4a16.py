@@ -454,6 +454,16 @@ def _contiguous(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _as_rows(t, features: int, what: str, holds: str):
+    """[..., features] -> (a [rows, features] matrix with unit column stride, the leading shape)."""
+    if t.shape[-1] != features:
+        raise ValueError(f"{what} has {t.shape[-1]} features but qweight holds {holds}")
+    t2 = t.reshape(-1, features)
+    if t2.stride(-1) != 1 or (t2.shape[0] > 1 and t2.stride(0) < features):
+        t2 = t2.contiguous()
+    return t2, t.shape[:-1]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Launch choices
 # ----------------------------------------------------------------------------------------------------------------
@@ -627,12 +637,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     what = "w4a16_matmul"
     _check_activation(x, what, "x")
     k, n, group_size = _check_weights(qweight, scales, zeros, group_size, x.dtype, x.device, what)
-    if x.shape[-1] != k:
-        raise ValueError(f"{what}: x has {x.shape[-1]} features but qweight holds K = {k} (qweight.shape[0] * 8)")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
-        x2 = x2.contiguous()
+    x2, lead = _as_rows(x, k, f"{what}: x", f"K = {k} (qweight.shape[0] * 8)")
     m = x2.shape[0]
     qweight, scales, zeros = _contiguous(qweight), _contiguous(scales), _contiguous(zeros)
     if m > DECODE_MAX_M:
@@ -650,12 +655,7 @@ def w4a16_matmul_grad_input(dy: torch.Tensor, qweight: torch.Tensor, scales: tor
     what = "w4a16_matmul_grad_input"
     _check_activation(dy, what, "dy")
     k, n, group_size = _check_weights(qweight, scales, zeros, group_size, dy.dtype, dy.device, what)
-    if dy.shape[-1] != n:
-        raise ValueError(f"{what}: dy has {dy.shape[-1]} features but qweight holds N = {n} (qweight.shape[1])")
-    lead = dy.shape[:-1]
-    dy2 = dy.reshape(-1, n)
-    if dy2.stride(-1) != 1 or (dy2.shape[0] > 1 and dy2.stride(0) < n):
-        dy2 = dy2.contiguous()
+    dy2, lead = _as_rows(dy, n, f"{what}: dy", f"N = {n} (qweight.shape[1])")
     m = dy2.shape[0]
     qweight, scales, zeros = _contiguous(qweight), _contiguous(scales), _contiguous(zeros)
     if m > GRAD_DECODE_MAX_M:
