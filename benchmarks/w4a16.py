@@ -191,6 +191,40 @@ def check_odd_shapes(K, gen):
     return rows
 
 
+def check_split_race(K, gen, baseline=None, iters=300):
+    """Split-K stress: many eager calls per shape and row count, counting outputs off the reference (a partial sum
+    lost between the split programs shows as a large error). `baseline`: an older kernel module, checked too."""
+    rows = []
+    mods = [("current", K)] + ([("baseline", baseline)] if baseline is not None else [])
+    for (k, n) in ((8192, 28672), (4096, 14336), (4096, 4096)):
+        qw, s, z = make_weights(k, n, GROUP, torch.bfloat16, "cuda", gen)
+        w_ref = unpack_reference(qw, s, z, GROUP)
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = x.float() @ w_ref
+            scale = ref.abs().max()
+            for name, mod in mods:
+                errs = torch.stack([(mod.w4a16_matmul(x, qw, s, z, GROUP).float() - ref).abs().max() / scale
+                                    for _ in range(iters)])
+                rows.append(dict(kernel=name, K=k, N=n, M=m, calls=iters, bad_calls=int((errs > 2e-2).sum()),
+                                 worst=float(errs.max())))
+    bad = [r for r in rows if r["kernel"] == "current" and r["bad_calls"]]
+    log(f"split-K stress: {sum(r['calls'] for r in rows if r['kernel'] == 'current')} calls, "
+        f"{sum(r['bad_calls'] for r in bad)} off the reference")
+    if bad:
+        raise SystemExit(f"split-K stress FAILED: {bad}")
+    return rows
+
+
+def load_module(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("w4a16_other", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_main(args):
     K = load_kernels()
 
@@ -204,6 +238,7 @@ def run_main(args):
         shapes=[], copy_bandwidth_GBps=None,
     )
     res["odd_shape_check"] = check_odd_shapes(K, gen)
+    res["split_k_stress"] = check_split_race(K, gen, iters=50)
     bw = copy_bandwidth()
     res["copy_bandwidth_GBps"] = bw
     log(f"device copy bandwidth: {bw:.0f} GB/s")
@@ -302,11 +337,7 @@ def run_sweep(args):
         per_sms, grads = (1, 2, 4), []
     base = None
     if args.baseline:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("w4a16_baseline", args.baseline)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
+        base = load_module(args.baseline)
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     t_start = time.time()
 
@@ -429,7 +460,8 @@ def main():
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--then-sweep", metavar="JSON", help="after the benchmark, run the sweep into JSON")
     p.add_argument("--mini", action="store_true", help="sweep: a few candidate configurations only")
-    p.add_argument("--baseline", metavar="PY", help="sweep: also time this older copy of kernels/w4a16.py")
+    p.add_argument("--baseline", metavar="PY", help="sweep/race: also run this older copy of kernels/w4a16.py")
+    p.add_argument("--race", metavar="JSON", help="only the split-K stress check (300 calls a case) into JSON")
     args = p.parse_args()
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     if args.plot:
@@ -437,6 +469,12 @@ def main():
         return
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    if args.race:
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        base = load_module(args.baseline) if args.baseline else None
+        save(dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  baseline=args.baseline, rows=check_split_race(load_kernels(), gen, base)), args.race)
+        return
     if args.sweep:
         args.out = args.out or os.path.join(here, "w4a16_sweep.json")
         run_sweep(args)
