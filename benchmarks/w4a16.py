@@ -31,14 +31,20 @@ GROUP = 128
 L2_BYTES = 50 * 2**20
 
 
+_KERNELS = []
+
+
 def load_kernels():
     """The kernel module by path: benchmarks must not depend on the rest of the package importing cleanly."""
+    if _KERNELS:
+        return _KERNELS[0]
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "kernels", "w4a16.py")
     spec = importlib.util.spec_from_file_location("hf_fastpath_w4a16_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    _KERNELS.append(mod)
     return mod
 
 
@@ -60,9 +66,9 @@ def make_weights(k, n, group, dtype, device, gen):
 
 
 def unpack_reference(qweight, scales, zeros, group):
-    """W [K, N] in float32 from the packed layout, with torch ops only."""
-    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32).view(1, 8, 1) * 4
-    q = ((qweight.unsqueeze(1) >> shifts) & 0xF).reshape(-1, qweight.shape[1]).float()
+    """W [K, N] in float32 from the kernels' packed layout (their own unpacker, tested against an independent
+    packer in tests/test_w4a16_kernels.py)."""
+    q = load_kernels().w4a16_unpack(qweight).float()
     s = scales.float().repeat_interleave(group, 0)
     z = zeros.float().repeat_interleave(group, 0)
     return (q - z) * s
@@ -191,11 +197,12 @@ def check_odd_shapes(K, gen):
     return rows
 
 
-def check_split_race(K, gen, baseline=None, iters=300):
+def check_split_race(K, gen, iters=300):
     """Split-K stress: many eager calls per shape and row count, counting outputs off the reference (a partial sum
-    lost between the split programs shows as a large error). `baseline`: an older kernel module, checked too."""
+    lost between the split programs shows as a large error). results/w4a16_split_race.json also has the
+    session-3 kernel (commit 6ec6d6d, before the fix), run at commit 2935d1a."""
     rows = []
-    mods = [("current", K)] + ([("baseline", baseline)] if baseline is not None else [])
+    mods = [("current", K)]
     for (k, n) in ((8192, 28672), (4096, 14336), (4096, 4096)):
         qw, s, z = make_weights(k, n, GROUP, torch.bfloat16, "cuda", gen)
         w_ref = unpack_reference(qw, s, z, GROUP)
@@ -316,25 +323,32 @@ def print_table(res):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# Sweep candidates per row count: (BLOCK_M, BLOCK_N, warps, stages, scale mode). A BLOCK_M below M means
+# several M tiles (the weights are read once per M tile).
+SWEEP = {
+    1: [(1, 128, 2, 4, "factored"), (1, 256, 4, 3, "factored"), (8, 128, 2, 4, "factored")],
+    8: [(8, 256, 4, 3, "factored"), (8, 128, 2, 4, "factored"), (8, 256, 4, 3, "centered")],
+    16: [(16, 256, 4, 3, "factored"), (16, 256, 8, 3, "factored"), (16, 256, 4, 3, "centered"),
+         (16, 256, 8, 3, "centered"), (16, 128, 4, 3, "factored"), (16, 512, 8, 3, "factored"),
+         (8, 256, 4, 3, "factored")],
+    32: [(32, 256, 4, 3, "dequant"), (32, 256, 8, 3, "centered"), (32, 256, 8, 3, "factored"),
+         (32, 256, 4, 3, "centered"), (32, 128, 4, 3, "centered"), (32, 256, 8, 3, "dequant"),
+         (16, 256, 8, 3, "factored")],
+    64: [(64, 128, 4, 3, "dequant"), (64, 128, 8, 3, "dequant"), (64, 128, 8, 3, "centered"),
+         (64, 256, 8, 3, "centered"), (64, 256, 8, 3, "dequant"), (64, 128, 4, 3, "centered"),
+         (32, 256, 8, 3, "centered")],
+}
+
+
 def run_sweep(args):
-    """Launch configurations of the decode kernels (tile, warps, stages, split-K), timed like the main benchmark.
-    With --baseline FILE, the same shapes are also timed with that (older) kernel module's own heuristics."""
+    """Launch configurations of the decode kernel (tile, warps, stages, scale mode, split-K), timed like the main
+    benchmark. With --baseline FILE, the same shapes are also timed with that (older) kernel module's own
+    heuristics (timing only: an older module may expect another weight layout)."""
     K = load_kernels()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1)
     out = dict(gpu=torch.cuda.get_device_name(), triton=__import__("triton").__version__, results=[])
-    # (BLOCK_M or 0 for the default, BLOCK_N, warps, stages, factored or None for the default)
-    tiles = [(0, bn, w, st, None) for bn, w, st in
-             [(64, 1, 3), (64, 2, 3), (128, 2, 3), (128, 2, 4), (128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3)]]
-    per_sms = (1, 2, 4, 8)
-    grads = [(16, 64, 1, 4), (16, 64, 2, 4), (16, 128, 4, 4), (16, 32, 1, 4)]
-    if args.mini:
-        # Session 3: tiles narrower than 16 rows (Triton pads the MMA; 128 registers instead of 227 at 16 rows,
-        # mma.sync instead of wgmma with its per-dot fences), against the session-2 choices.
-        tiles = [(0, 256, 4, 3, None)]
-        tiles += [(bm, bn, w, st, None) for bm in (1, 8) for bn, w, st in ((256, 4, 3), (256, 2, 3), (128, 2, 4))]
-        tiles += [(64, 128, 4, 3, False)]
-        per_sms, grads = (1, 2, 4), []
+    per_sms = (1, 2)
     base = None
     if args.baseline:
         base = load_module(args.baseline)
@@ -354,14 +368,13 @@ def run_sweep(args):
         log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()))
         return True
 
-    for (k, n) in (args.shapes or [SHAPES[0], SHAPES[1], SHAPES[3]]):
+    for (k, n) in (args.shapes or SHAPES):
         layer = Layer(k, n, gen, with_peers=False)
         qw, s, z = layer.quant[0]
         w_ref = unpack_reference(qw, s, z, GROUP)
-        for m in (args.ms or [1, 16, 64]):
+        for m in (args.ms or sorted(SWEEP)):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ref, ref_b = x.float() @ w_ref, dy.float() @ w_ref.t()
+            ref = x.float() @ w_ref
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             if base is not None:
                 def fn(mode, base=base):
@@ -371,43 +384,43 @@ def run_sweep(args):
                     return time_graph([lambda q=q: base.w4a16_matmul(x, *q, GROUP) for q in layer.quant], replays=5)
                 if not record(dict(K=k, N=n, M=m, kind="baseline"), fn, y, ref):
                     return out
-            for (bm, bn, nw, ns, fac) in tiles:
-                if bm and (bm > 16) != (m > 16) or bm and bm < 8 and m > 1:
-                    continue  # tiles are tried on the row counts they are meant for
-                bm = bm or (16 if m <= 16 else 32)
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+            for (bm, bn, nw, ns, mode) in SWEEP.get(m, SWEEP[max(v for v in SWEEP if v <= m)]):
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns, mode=mode)
                 n_tiles = -(-n // bn) * -(-m // bm)
                 k_steps = -(-k // 128)
                 for per_sm in per_sms:
                     split = 1
                     while n_tiles * split < per_sm * n_sms and k_steps // (split * 2) >= 1:
                         split *= 2
-                    def fn(mode, cfg=cfg, split=split, fac=fac):
-                        if mode is None:
-                            K._decode_matmul(x, qw, s, z, GROUP, y, cfg, split_k=split, factored=fac)
+                    def fn(what, cfg=cfg, split=split):
+                        if what is None:
+                            K._decode_matmul(x, qw, s, z, GROUP, y, cfg, split_k=split)
                             return None
-                        return time_graph([lambda q=q: K._decode_matmul(x, *q, GROUP, y, cfg, split_k=split,
-                                                                         factored=fac) for q in layer.quant],
-                                          replays=5)
-                    entry = dict(K=k, N=n, M=m, kind="fwd", bm=bm, bn=bn, warps=nw, stages=ns, factored=fac,
+                        return time_graph([lambda q=q: K._decode_matmul(x, *q, GROUP, y, cfg, split_k=split)
+                                           for q in layer.quant], replays=5)
+                    entry = dict(K=k, N=n, M=m, kind="fwd", bm=bm, bn=bn, warps=nw, stages=ns, mode=mode,
                                  per_sm=per_sm, split=split)
                     if not record(entry, fn, y, ref):
                         return out
-            yb = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-            for (bm, bn, nw, ns) in (grads if m <= 16 else []):
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
-                def fn(mode, cfg=cfg):
-                    if mode is None:
-                        K._decode_grad_input(dy, qw, s, z, GROUP, yb, cfg)
-                        return None
-                    return time_graph([lambda q=q: K._decode_grad_input(dy, *q, GROUP, yb, cfg)
-                                       for q in layer.quant], replays=5)
-                if not record(dict(K=k, N=n, M=m, kind="grad", bn=bn, warps=nw, stages=ns), fn, yb, ref_b):
-                    return out
             if args.out:
                 save(out, args.out)
+        if base is not None:  # the dequantize kernel (prefill path) and the input gradient, old against new
+            for name, mod in (("dequant_new", K), ("dequant_baseline", base)):
+                us = time_graph([lambda q=q: mod._dequantize(*q, GROUP, torch.bfloat16) for q in layer.quant],
+                                replays=5)
+                out["results"].append(dict(K=k, N=n, kind=name, us=us))
+                log(f"K={k} N={n} {name} {us:.1f} us")
+            for m in (1, 16):
+                dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for name, mod in (("grad_new", K), ("grad_baseline", base)):
+                    us = time_graph([lambda q=q: mod.w4a16_matmul_grad_input(dy, *q, GROUP) for q in layer.quant],
+                                    replays=5)
+                    out["results"].append(dict(K=k, N=n, M=m, kind=name, us=us))
+                    log(f"K={k} N={n} M={m} {name} {us:.1f} us")
         del layer
         torch.cuda.empty_cache()
+    if args.out:
+        save(out, args.out)
     return out
 
 
@@ -459,8 +472,7 @@ def main():
     p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="*")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--then-sweep", metavar="JSON", help="after the benchmark, run the sweep into JSON")
-    p.add_argument("--mini", action="store_true", help="sweep: a few candidate configurations only")
-    p.add_argument("--baseline", metavar="PY", help="sweep/race: also run this older copy of kernels/w4a16.py")
+    p.add_argument("--baseline", metavar="PY", help="sweep: also time this older copy of kernels/w4a16.py")
     p.add_argument("--race", metavar="JSON", help="only the split-K stress check (300 calls a case) into JSON")
     args = p.parse_args()
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -471,9 +483,8 @@ def main():
         sys.exit("needs a CUDA GPU")
     if args.race:
         gen = torch.Generator(device="cuda").manual_seed(2)
-        base = load_module(args.baseline) if args.baseline else None
         save(dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  baseline=args.baseline, rows=check_split_race(load_kernels(), gen, base)), args.race)
+                  rows=check_split_race(load_kernels(), gen)), args.race)
         return
     if args.sweep:
         args.out = args.out or os.path.join(here, "w4a16_sweep.json")

@@ -8,9 +8,12 @@ from hf_fastpath.kernels.w4a16 import (
     _decode_grad_input,
     _decode_matmul,
     _split_workspace,
+    k_tile_order,
     w4a16_dequantize,
     w4a16_matmul,
     w4a16_matmul_grad_input,
+    w4a16_pack,
+    w4a16_unpack,
 )
 
 # Max error relative to the largest reference entry. The output is rounded to 16 bits once (fp16 2**-11,
@@ -27,6 +30,25 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def tiled_rows(k):
+    """The kernels' K-tiled order, written out independently: nibble j of word row 16 t + i holds input
+    128 t + R j + i (R = 16, or the word rows of a ragged last tile)."""
+    rows = []
+    for t in range((k + 127) // 128):
+        r_t = min(16, k // 8 - 16 * t)
+        for i in range(r_t):
+            rows.extend(128 * t + r_t * j + i for j in range(8))
+    return torch.tensor(rows)
+
+
+def tile_major(words):
+    """GPTQ-order words [K // 8, N] -> the kernels' storage: each K tile's [R, N] word rows as an [N, R] block."""
+    out = []
+    for t in range(0, words.shape[0], 16):
+        out.append(words[t:t + 16].t().reshape(-1))
+    return torch.cat(out).reshape(words.shape)
+
+
 def make_layer(k, n, group, dtype, zeros, gen):
     gs = k if group == -1 else group
     g = k // gs
@@ -37,7 +59,7 @@ def make_layer(k, n, group, dtype, zeros, gen):
     else:
         z = torch.randint(0, 16, (g, n), generator=gen).to(dtype)
     w64 = scales.double().repeat_interleave(gs, 0) * (q.double() - z.double().repeat_interleave(gs, 0))
-    return pack_codes(q), scales, z, w64
+    return tile_major(pack_codes(q[tiled_rows(k)])), scales, z, w64
 
 
 def assert_close(out, ref, dtype):
@@ -75,6 +97,38 @@ def test_forward_and_grad_input(m, k, n, group, dtype, zeros):
     assert_close(w4a16_matmul(x, qweight, scales, z, group), x.double() @ w64, dtype)
     dy = torch.randn(m, n, generator=gen).to(dtype)
     assert_close(w4a16_matmul_grad_input(dy, qweight, scales, z, group), dy.double() @ w64.t(), dtype)
+
+
+def test_packing_matches_the_documented_layout():
+    gen = torch.Generator().manual_seed(11)
+    for k in (8, 64, 128, 264, 576, 1024):
+        order = k_tile_order(k)
+        assert torch.equal(order, tiled_rows(k))
+        assert torch.equal(order.sort().values, torch.arange(k))  # a permutation
+        codes = torch.randint(0, 16, (k, 5), generator=gen, dtype=torch.int32)
+        packed = w4a16_pack(codes)
+        assert torch.equal(packed, tile_major(pack_codes(codes[tiled_rows(k)])))
+        assert torch.equal(w4a16_unpack(packed), codes)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        k_tile_order(100)
+
+
+@pytest.mark.parametrize("mode", ["factored", "centered", "dequant"])
+@pytest.mark.parametrize("m,k,group,dtype,zeros", [
+    (5, 384, 128, BF16, "random"),
+    (16, 264, -1, F16, "random"),  # one group over a ragged K
+    (3, 256, 256, F16, "sym"),
+])
+def test_every_scale_mode_of_the_forward(mode, m, k, group, dtype, zeros):
+    """Each way of applying scales and zeros to whole-tile groups (the GPU picks one by M), on one config."""
+    gen = torch.Generator().manual_seed(m + k)
+    n = 40
+    qweight, scales, z, w64 = make_layer(k, n, group, dtype, zeros, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, mode=mode)
+    _decode_matmul(x, qweight, scales, z, k if group == -1 else group, out, cfg=cfg, split_k=2)
+    assert_close(out, x.double() @ w64, dtype)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])

@@ -1,24 +1,36 @@
 """W4A16 matmuls: 4-bit packed weights, fp16/bf16 activations, fp32 accumulation, in Triton.
 
 Weight layout (the contract shared with `hf_fastpath.quantization`; K = in_features, N = out_features, G = K // gs):
-  qweight int32 [K // 8, N]   input row k sits in word k // 8 at bits 4 * (k % 8)  (GPTQ layout, N contiguous)
-  scales, zeros [G, N]        activation dtype; zeros is the zero point as a float (8.0 for symmetric 4-bit)
-  W[k, n] = scales[k // gs, n] * (nibble(k, n) - zeros[k // gs, n]),   y = x @ W.
+  qweight int32 [K // 8, N]   `w4a16_pack(codes)`: 8 4-bit codes a word, K-tiled and stored tile-major. K tile t
+                              (inputs 128 t ... 128 t + 127) is 16 word rows; nibble j (bits 4 j) of its word row i
+                              holds input 128 t + 16 j + i, and the tile's [16, N] words are stored as an [N, 16]
+                              block of their own (64 contiguous bytes per column). A ragged last tile of R < 16 rows
+                              holds inputs 128 t + R j + i, stored [N, R]. (`k_tile_order(K)`: the input of each
+                              nibble; `w4a16_unpack` inverts the packing.)
+  scales, zeros [G, N]        activation dtype; zeros is the integer zero point as a float (8.0 for symmetric)
+  W[k, n] = scales[k // gs, n] * (code(k, n) - zeros[k // gs, n]),   y = x @ W.
 
 How the kernels avoid the usual costs (all measured / read off the SASS on sm_90):
   * Small M (decode, M <= 64) computes y^T = W^T x^T so the weights are the *register* operand of the tensor-core
     dot: the packed words come through shared memory (cp.async, pipelined over K tiles), the unpack runs in the MMA
     operand layout and no unpacked weight touches shared memory.
-  * Every load in the K loop is wide enough for Triton's cp.async pipeline (x as one contiguous tile split in
-    registers, weights 16 bytes a thread), except the per-tile scales/zeros, which are prefetched one tile ahead
-    by hand: synchronous loads inside the loop held the first version at ~1 TB/s.
-  * A word holds input rows 8i..8i+7. Instead of reshaping unpacked nibbles into K order (a layout shuffle), nibble
-    j of every word forms its own [BLOCK_N, BLOCK_K/8] tile, multiplied by the x columns 8i+j: eight chained dots.
+  * The K-tiled layout makes nibble plane j of a [BLOCK_N, 16] word tile the j-th 16-input slice of the K tile:
+    the 8 planes concatenate (register renaming) into one [BLOCK_N, 128] operand, and x^T[128, BLOCK_M] goes from
+    memory straight into the dot's shared-memory operand. One dot per K tile: its 8 wgmmas issue back to back
+    with one wait, where the GPTQ order needed 8 dots, each re-staging a strided x slice through shared memory
+    with a fence and a wait. The tile-major storage keeps the weight copy 16 bytes wide: the operand wants 4
+    consecutive word rows per thread, which the GPTQ [K / 8, N] order spreads N words apart (4-byte copies, M = 1
+    2.7x slower on the H200).
+  * Every load in the K loop is wide enough for Triton's cp.async pipeline, except the per-tile scales/zeros,
+    which are prefetched one tile ahead by hand: synchronous loads inside the loop held the first version at
+    ~1 TB/s.
   * The unpack is a few PTX instructions per *pair* of words: PRMT pairs two words' halves, and one LOP3 turns a
     nibble pair into two fp16/bf16 "magic" numbers (bias + q, bias = 1024 fp16 / 128 bf16), ~1 instruction per
     weight instead of shift + int-to-float convert + scale per weight.
-  * M <= 16: the dot runs on bias + q and scale/zero are applied once per output and group:
-    y += s * (x.(bias+q) - (z + bias) * sum(x)). Larger M: weights are dequantized in pairs (q*s - z*s, fma).
+  * Scales and zeros (MODE): up to 16 rows the dot runs on bias + q and they apply once per output and tile,
+    y += s * (x.(bias+q) - (z + bias) * sum(x)); 17-32 rows dequantize in pairs (q*s - z*s, one fma); 33-64 rows
+    dot the exact q - z (integer zero points) and scale after. Groups that do not cover whole K tiles dequantize
+    each plane with its own group.
   * Large M (> 64): dequantize W once into a scratch tile and call cuBLAS: on an H200 this beat our fused
     tensor-core kernel at every M >= 256 (the fused one is limited by the in-loop dequantization).
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
@@ -27,10 +39,10 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     and the registers shrink (mma.sync, 128 registers instead of wgmma's 227 at 16 rows: twice the resident warps).
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
-Status (H200, benchmarks/results/w4a16.json, 2026-11-29, session 3): M = 1 runs at 1.2-3.1 TB/s of weight traffic,
-1.83-2.61x cuBLAS bf16 on Llama-3 8B/70B shapes and 0.94-1.53x torch's int4 tinygemm; M = 8 1.59-2.24x; M = 16
-1.32-1.68x; M = 64 0.75-1.07x. The loop is ~1.9-2.3 SASS instructions per weight at M <= 8 (Triton 3.6, sm_90):
-the nibble unpack alone is ~1.1, so beyond ~3.5 TB/s the instruction issue itself would bind.
+Status (H200, benchmarks/results/w4a16.json, 2026-11-29, session 4): over cuBLAS bf16 on Llama-3 8B/70B shapes,
+M = 1 1.92-2.47x (1.2-2.8 TB/s of weight traffic; 0.95-1.44x torch's int4 tinygemm), M = 8 1.63-2.49x, M = 16
+1.49-1.89x, M = 32 1.12-1.68x, M = 64 0.91-1.51x. The loop is ~2.0-2.2 SASS instructions per weight at M <= 8
+(Triton 3.6, sm_90): the nibble unpack alone is ~1.1, so beyond ~3.5 TB/s the instruction issue itself would bind.
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["w4a16_matmul", "w4a16_matmul_grad_input", "w4a16_dequantize"]
+__all__ = ["w4a16_matmul", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack", "w4a16_unpack",
+           "k_tile_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,30 +164,55 @@ def _deq(w, shift: tl.constexpr, s, nzs, dtype: tl.constexpr):
 
 
 @triton.jit
-def _split8(xk, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
-    """[BLOCK_M, 8 * BLOCK_K8] -> the 8 tiles x[:, 8 i + j]^T, each [BLOCK_K8, BLOCK_M]."""
-    x5 = tl.reshape(xk, (BLOCK_M, BLOCK_K8, 2, 2, 2))  # last three axes: j = 4 a + 2 b + c
-    c0, c1 = tl.split(x5)
-    b0c0, b1c0 = tl.split(c0)
-    b0c1, b1c1 = tl.split(c1)
-    x0, x4 = tl.split(b0c0)
-    x2, x6 = tl.split(b1c0)
-    x1, x5_ = tl.split(b0c1)
-    x3, x7 = tl.split(b1c1)
-    return (tl.trans(x0), tl.trans(x1), tl.trans(x2), tl.trans(x3), tl.trans(x4), tl.trans(x5_), tl.trans(x6),
-            tl.trans(x7))
+def _cat(a, b, AXIS: tl.constexpr):
+    """Two equal 2-D tiles -> one, b after a along AXIS. In the tensor-core operand layout each thread already
+    holds matching positions of a and b, so this is register renaming, not a shuffle (checked in the SASS)."""
+    s0: tl.constexpr = a.shape[0]
+    s1: tl.constexpr = a.shape[1]
+    if AXIS == 0:
+        return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * s0, s1))
+    else:
+        return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (s0, 2 * s1))
 
 
 @triton.jit
-def _group_params(s_ptr, z_ptr, kt, N, K, group_size, n_safe, BLOCK_K: tl.constexpr, PER_ROW_GROUPS: tl.constexpr):
-    """Scales and zeros of K tile kt: [BLOCK_N] (one group per tile) or, for groups smaller than the tile,
-    [BLOCK_N, BLOCK_K // 8] (one group per packed row; group_size % 8 == 0)."""
-    if PER_ROW_GROUPS:
-        rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        g = tl.minimum(rows, K // 8 - 1) * 8 // group_size
-        offs = g[None, :] * N + n_safe[:, None]
+def _cat8(p0, p1, p2, p3, p4, p5, p6, p7, AXIS: tl.constexpr):
+    return _cat(_cat(_cat(p0, p1, AXIS), _cat(p2, p3, AXIS), AXIS),
+                _cat(_cat(p4, p5, AXIS), _cat(p6, p7, AXIS), AXIS), AXIS)
+
+
+@triton.jit
+def _magic_bias(dtype: tl.constexpr):
+    if dtype == tl.bfloat16:
+        return 128.0
     else:
-        offs = (kt * BLOCK_K // group_size) * N + n_safe
+        return 1024.0
+
+
+@triton.jit
+def _grouped_plane(q, j: tl.constexpr, k_first, rows_in_tile, s_ptr, z_ptr, n_idx, N, K, group_size):
+    """Nibble plane j (bias + q) dequantized with a group per input row: its rows are inputs k_first + R * j
+    (k_first, n_idx: tiles of q's shape, R = rows_in_tile). For groups that do not cover whole K tiles."""
+    g = tl.minimum(k_first + rows_in_tile * j, K - 1) // group_size
+    s = tl.load(s_ptr + g * N + n_idx).to(tl.float32)
+    z = tl.load(z_ptr + g * N + n_idx).to(tl.float32)
+    return ((q.to(tl.float32) - (z + _magic_bias(q.dtype))) * s).to(q.dtype)
+
+
+@triton.jit
+def _word_offsets(kt, N, n_idx, i_idx, rows_in_tile, EVEN_K: tl.constexpr):
+    """Offsets of words (n, i) of K tile kt: the tile is an [N, R] block of its own (R = 16 word rows, fewer in a
+    ragged last tile), so a program's [BLOCK_N, 16] tile is one contiguous run with 64 bytes per column."""
+    if EVEN_K:
+        return kt * (N * 16) + n_idx * 16 + i_idx
+    else:
+        return kt * (N * 16) + n_idx * rows_in_tile + tl.minimum(i_idx, rows_in_tile - 1)
+
+
+@triton.jit
+def _tile_group(s_ptr, z_ptr, kt, N, group_size, n_idx):
+    """Scales and zeros [BLOCK_N] of K tile kt when the whole tile lies in one group."""
+    offs = (kt * 128 // group_size) * N + n_idx
     return tl.load(s_ptr + offs), tl.load(z_ptr + offs)
 
 
@@ -190,28 +228,41 @@ def _dot(a, b, acc, FP32: tl.constexpr):
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
 
+# How the forward applies scales and zeros (MODE): the first three need a single group per K tile.
+FACTORED = tl.constexpr(0)
+CENTERED = tl.constexpr(1)
+DEQUANT = tl.constexpr(2)
+GROUPED = tl.constexpr(3)
+MODES = {"factored": 0, "centered": 1, "dequant": 2, "grouped": 3}
+
 
 @triton.jit
 def _decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, group_size, tiles_per_split, n_splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FACTORED: tl.constexpr, PER_ROW_GROUPS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     SPLIT: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split.
 
+    Per K tile the 8 nibble planes of the [BLOCK_N, 16] word tile are the 8 consecutive 16-input slices of the
+    tile (K-tiled layout), so they concatenate into one [BLOCK_N, 128] register operand and the tile is one
+    tensor-core dot against x^T[128, BLOCK_M], loaded straight from memory into the dot's shared-memory operand.
+    MODE: FACTORED dots bias + q and applies y += s * (part - (z + bias) * sum(x)) per output; CENTERED dots the
+    exact q - z (integer zero points) and scales after; DEQUANT dots q * s - z * s; GROUPED dequantizes with a
+    group per input row (groups smaller than, or not aligned to, the K tile).
+
     With SPLIT, the n_splits programs of a tile add their partial sums into the fp32 workspace ws (same shape and
     strides as out) and take a ticket from count[tile]; the last one casts the sum into out and leaves ws and
     count zeroed for the next call. One launch: no memset before, no cast kernel after."""
-    BLOCK_K8: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     dtype = x_ptr.dtype.element_ty
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.max_contiguous(tl.multiple_of(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_i = tl.arange(0, BLOCK_K8)
+    offs_i = tl.arange(0, 16)
+    offs_c = tl.arange(0, 128)
     n_mask = offs_n < N
     m_mask = offs_m < M
     # Out-of-range rows/columns read clamped (valid) addresses instead of masking every load; their results are
@@ -225,67 +276,62 @@ def _decode_kernel(
     m_safe = tl.minimum(offs_m, M - 1)
     n_words = K // 8
     kt_start = pid_k * tiles_per_split
-    kt_end = tl.minimum(kt_start + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    # x is read as one contiguous [BLOCK_M, BLOCK_K] tile (wide loads, so Triton pipelines them with cp.async like
-    # the weights; strided 2-byte gathers were left as synchronous loads in every iteration) and split in registers
-    # into the 8 column sets x[:, 8 i + j].
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + m_safe[:, None] * stride_xm + offs_k[None, :]
+    kt_end = tl.minimum(kt_start + tiles_per_split, tl.cdiv(K, 128))
+    xt_ptrs = x_ptr + m_safe[None, :] * stride_xm
     # The tile's scales/zeros (2-byte values spread thinly over the threads: too narrow for the cp.async pipeline)
     # are loaded one iteration ahead by hand so that their latency overlaps the current tile.
-    s_next, z_next = _group_params(s_ptr, z_ptr, kt_start, N, K, group_size, n_safe, BLOCK_K, PER_ROW_GROUPS)
+    if MODE != GROUPED:
+        s_next, z_next = _tile_group(s_ptr, z_ptr, kt_start, N, group_size, n_safe)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kt in range(kt_start, kt_end):
-        k0 = kt * BLOCK_K
-        rows = kt * BLOCK_K8 + offs_i
-        s1 = s_next
-        z1 = z_next
-        s_next, z_next = _group_params(s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), N, K, group_size, n_safe,
-                                       BLOCK_K, PER_ROW_GROUPS)
+        k0 = kt * 128
         if EVEN_K:
-            w = tl.load(qw_ptr + rows[None, :] * N + n_safe[:, None])
-            xk = tl.load(x_ptrs + k0)
+            rows_in_tile = 16
+            w = tl.load(qw_ptr + _word_offsets(kt, N, n_safe[:, None], offs_i[None, :], 16, True))
+            xt = tl.load(xt_ptrs + (k0 + offs_c)[:, None])
+        else:  # a ragged last tile of R < 16 word rows holds inputs k0 + R * j + i
+            rows_in_tile = tl.minimum(n_words - kt * 16, 16)
+            w = tl.load(qw_ptr + _word_offsets(kt, N, n_safe[:, None], offs_i[None, :], rows_in_tile, False))
+            i = offs_c % 16
+            xt = tl.load(xt_ptrs + (k0 + rows_in_tile * (offs_c // 16) + i)[:, None],
+                         mask=(i < rows_in_tile)[:, None], other=0.0)
+        if MODE != GROUPED:
+            s1 = s_next
+            z1 = z_next
+            s_next, z_next = _tile_group(s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), N, group_size, n_safe)
+        if MODE == FACTORED:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, xt, False, USE_PTX)
+        elif MODE == GROUPED:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, xt, False, USE_PTX)
+            kf = tl.broadcast_to((k0 + offs_i)[None, :], (BLOCK_N, 16))
+            ni = tl.broadcast_to(n_safe[:, None], (BLOCK_N, 16))
+            q0 = _grouped_plane(q0, 0, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q1 = _grouped_plane(q1, 1, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q2 = _grouped_plane(q2, 2, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q3 = _grouped_plane(q3, 3, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q4 = _grouped_plane(q4, 4, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q5 = _grouped_plane(q5, 5, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q6 = _grouped_plane(q6, 6, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q7 = _grouped_plane(q7, 7, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
         else:
-            w = tl.load(qw_ptr + tl.minimum(rows, n_words - 1)[None, :] * N + n_safe[:, None])
-            xk = tl.load(x_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xk, BLOCK_M, BLOCK_K8)
-        if FACTORED:  # one group per K tile: dot with bias + q, scale once per output
-            s = s1.to(tl.float32)
-            z = z1.to(tl.float32)
-            q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, x0, False, USE_PTX)
-            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            part = _dot(q0, x0, part, FP32_DOT)
-            part = _dot(q1, x1, part, FP32_DOT)
-            part = _dot(q2, x2, part, FP32_DOT)
-            part = _dot(q3, x3, part, FP32_DOT)
-            part = _dot(q4, x4, part, FP32_DOT)
-            part = _dot(q5, x5, part, FP32_DOT)
-            part = _dot(q6, x6, part, FP32_DOT)
-            part = _dot(q7, x7, part, FP32_DOT)
-            xs = (x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32)
-                  + x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32))
-            xsum = tl.sum(xs, axis=0)
-            if dtype == tl.bfloat16:
-                zb = z + 128.0
+            if MODE == CENTERED:  # (bias + q) * 1 - z: exact for integer zero points
+                s2 = tl.full((BLOCK_N, 16), 1.0, dtype)
+                nzs = tl.broadcast_to((-z1.to(tl.float32)).to(dtype)[:, None], (BLOCK_N, 16))
             else:
-                zb = z + 1024.0
-            acc += s[:, None] * (part - zb[:, None] * xsum[None, :])
+                s2 = tl.broadcast_to(s1[:, None], (BLOCK_N, 16))
+                nzs = tl.broadcast_to((-(z1.to(tl.float32) * s1.to(tl.float32))).to(dtype)[:, None], (BLOCK_N, 16))
+            q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, s2, nzs, xt, True, USE_PTX)
+        a = _cat8(q0, q1, q2, q3, q4, q5, q6, q7, 1)
+        if MODE == FACTORED:
+            part = _dot(a, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), FP32_DOT)
+            xsum = tl.sum(xt.to(tl.float32), axis=0)
+            zb = z1.to(tl.float32) + _magic_bias(dtype)
+            acc += s1.to(tl.float32)[:, None] * (part - zb[:, None] * xsum[None, :])
+        elif MODE == CENTERED:
+            part = _dot(a, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), FP32_DOT)
+            acc += s1.to(tl.float32)[:, None] * part
         else:
-            if PER_ROW_GROUPS:
-                s2, z2 = s1, z1
-            else:
-                s2 = tl.broadcast_to(s1[:, None], (BLOCK_N, BLOCK_K8))
-                z2 = tl.broadcast_to(z1[:, None], (BLOCK_N, BLOCK_K8))
-            nzs = (-(z2.to(tl.float32) * s2.to(tl.float32))).to(dtype)
-            d0, d1, d2, d3, d4, d5, d6, d7 = _nibbles8(w, s2, nzs, nzs, True, USE_PTX)
-            acc = _dot(d0, x0, acc, FP32_DOT)
-            acc = _dot(d1, x1, acc, FP32_DOT)
-            acc = _dot(d2, x2, acc, FP32_DOT)
-            acc = _dot(d3, x3, acc, FP32_DOT)
-            acc = _dot(d4, x4, acc, FP32_DOT)
-            acc = _dot(d5, x5, acc, FP32_DOT)
-            acc = _dot(d6, x6, acc, FP32_DOT)
-            acc = _dot(d7, x7, acc, FP32_DOT)
+            acc = _dot(a, xt, acc, FP32_DOT)
     out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
     out_mask = m_mask[None, :] & n_mask[:, None]
     if SPLIT:
@@ -300,7 +346,7 @@ def _decode_kernel(
             tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             # Triton gives this load and the zeroing store below different thread layouts: without the barrier a
             # thread could zero a sum that another thread has not read yet. On the H200 that lost partial sums in
-            # up to 81 of 300 calls (benchmarks/results/w4a16_split_race.json).
+            # up to 146 of 300 calls (benchmarks/results/w4a16_split_race.json).
             tl.debug_barrier()
             tl.store(ws_ptr + out_offs, tl.zeros_like(total), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
@@ -309,46 +355,65 @@ def _decode_kernel(
 
 
 @triton.jit
+def _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size, like, TILE_GROUPS: tl.constexpr,
+                   USE_PTX: tl.constexpr):
+    """The 8 dequantized nibble planes of a [16, BLOCK_N] word tile (plane j: inputs k0 + R * j + i)."""
+    if TILE_GROUPS:
+        s, z = _tile_group(s_ptr, z_ptr, k0 // 128, N, group_size, n_safe)
+        s2 = tl.broadcast_to(s[None, :], w.shape)
+        nzs = tl.broadcast_to((-(z.to(tl.float32) * s.to(tl.float32))).to(like.dtype)[None, :], w.shape)
+        return _nibbles8(w, s2, nzs, like, True, USE_PTX)
+    else:
+        q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, like, False, USE_PTX)
+        kf = tl.broadcast_to((k0 + tl.arange(0, 16))[:, None], w.shape)
+        ni = tl.broadcast_to(n_safe[None, :], w.shape)
+        return (_grouped_plane(q0, 0, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
+                _grouped_plane(q1, 1, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
+                _grouped_plane(q2, 2, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
+                _grouped_plane(q3, 3, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
+                _grouped_plane(q4, 4, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
+                _grouped_plane(q5, 5, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
+                _grouped_plane(q6, 6, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
+                _grouped_plane(q7, 7, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size))
+
+
+@triton.jit
 def _decode_grad_kernel(
     dy_ptr, qw_ptr, s_ptr, z_ptr, dx_ptr,
     M, N, K, stride_dym, stride_dxm, group_size, tiles_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """dx^T[k, m] = sum_n W[k, n] dy[m, n] for 8 row-sets k = 8 i + j of one K tile, over one split of N."""
-    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    """dx^T[k, m] = sum_n W[k, n] dy[m, n] for the 8 16-input slices of one K tile, over one split of N."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_m = tl.program_id(2)
-    dtype = dy_ptr.dtype.element_ty
-    rows = pid_k * BLOCK_K8 + tl.arange(0, BLOCK_K8)
+    offs_i = tl.arange(0, 16)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     n_words = K // 8
-    row_ok = rows < n_words
-    g_rows = tl.minimum(rows, n_words - 1) * 8 // group_size  # all 8 rows of a word share a group
+    k0 = pid_k * 128
+    rows_in_tile = tl.minimum(n_words - pid_k * 16, 16)
     nt_start = pid_n * tiles_per_split
     nt_end = tl.minimum(nt_start + tiles_per_split, tl.cdiv(N, BLOCK_N))
-    a0 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
-    a4 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
-    a5 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
-    a6 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
-    a7 = tl.zeros([BLOCK_K8, BLOCK_M], dtype=tl.float32)
+    a0 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
+    a1 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
+    a2 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
+    a3 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
+    a4 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
+    a5 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
+    a6 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
+    a7 = tl.zeros([16, BLOCK_M], dtype=tl.float32)
     for nt in range(nt_start, nt_end):
         offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        wm = row_ok[:, None] & n_mask[None, :]
-        w = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=wm, other=0)
-        sz = g_rows[:, None] * N + offs_n[None, :]
-        s = tl.load(s_ptr + sz, mask=wm, other=0.0)
-        z = tl.load(z_ptr + sz, mask=wm, other=0.0)
-        nzs = (-(z.to(tl.float32) * s.to(tl.float32))).to(dtype)
+        n_safe = tl.minimum(offs_n, N - 1)
+        w = tl.load(qw_ptr + _word_offsets(pid_k, N, n_safe[None, :], offs_i[:, None], rows_in_tile, EVEN_K))
+        # columns past N read clamped weights; their dy is zero
         dyt = tl.load(dy_ptr + offs_m[None, :] * stride_dym + offs_n[:, None], mask=n_mask[:, None] & m_mask[None, :],
                       other=0.0)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _nibbles8(w, s, nzs, nzs, True, USE_PTX)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size,
+                                                        dyt, TILE_GROUPS, USE_PTX)
         a0 = _dot(d0, dyt, a0, FP32_DOT)
         a1 = _dot(d1, dyt, a1, FP32_DOT)
         a2 = _dot(d2, dyt, a2, FP32_DOT)
@@ -357,16 +422,16 @@ def _decode_grad_kernel(
         a5 = _dot(d5, dyt, a5, FP32_DOT)
         a6 = _dot(d6, dyt, a6, FP32_DOT)
         a7 = _dot(d7, dyt, a7, FP32_DOT)
-    base = dx_ptr + offs_m[None, :] * stride_dxm + rows[:, None] * 8
-    mask = row_ok[:, None] & m_mask[None, :]
+    base = dx_ptr + offs_m[None, :] * stride_dxm + (k0 + offs_i)[:, None]
+    mask = (offs_i < rows_in_tile)[:, None] & m_mask[None, :]
     _store_rows(base, a0, mask, ATOMIC)
-    _store_rows(base + 1, a1, mask, ATOMIC)
-    _store_rows(base + 2, a2, mask, ATOMIC)
-    _store_rows(base + 3, a3, mask, ATOMIC)
-    _store_rows(base + 4, a4, mask, ATOMIC)
-    _store_rows(base + 5, a5, mask, ATOMIC)
-    _store_rows(base + 6, a6, mask, ATOMIC)
-    _store_rows(base + 7, a7, mask, ATOMIC)
+    _store_rows(base + rows_in_tile, a1, mask, ATOMIC)
+    _store_rows(base + 2 * rows_in_tile, a2, mask, ATOMIC)
+    _store_rows(base + 3 * rows_in_tile, a3, mask, ATOMIC)
+    _store_rows(base + 4 * rows_in_tile, a4, mask, ATOMIC)
+    _store_rows(base + 5 * rows_in_tile, a5, mask, ATOMIC)
+    _store_rows(base + 6 * rows_in_tile, a6, mask, ATOMIC)
+    _store_rows(base + 7 * rows_in_tile, a7, mask, ATOMIC)
 
 
 @triton.jit
@@ -379,30 +444,32 @@ def _store_rows(ptrs, vals, mask, ATOMIC: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
-                    BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, USE_PTX: tl.constexpr):
-    """W[k, n] for a [8 * BLOCK_K8, BLOCK_N] tile: nibble j of word row i goes to row 8 i + j."""
+                    BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, EVEN_K: tl.constexpr, USE_PTX: tl.constexpr):
+    """W[k, n] for one 128-input K tile and BLOCK_N columns."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
-    dtype = w_ptr.dtype.element_ty
-    rows = pid_k * BLOCK_K8 + tl.arange(0, BLOCK_K8)
+    offs_i = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    n_safe = tl.minimum(offs_n, N - 1)
     n_words = K // 8
-    mask = (rows < n_words)[:, None] & (offs_n < N)[None, :]
-    w = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    sz = (tl.minimum(rows, n_words - 1) * 8 // group_size)[:, None] * N + offs_n[None, :]
-    s = tl.load(s_ptr + sz, mask=mask, other=0.0)
-    z = tl.load(z_ptr + sz, mask=mask, other=0.0)
-    nzs = (-(z.to(tl.float32) * s.to(tl.float32))).to(dtype)
-    d0, d1, d2, d3, d4, d5, d6, d7 = _nibbles8(w, s.to(dtype), nzs, nzs, True, USE_PTX)
-    base = w_ptr + (rows * 8)[:, None] * N + offs_n[None, :]
+    k0 = pid_k * 128
+    rows_in_tile = tl.minimum(n_words - pid_k * 16, 16)
+    w = tl.load(qw_ptr + _word_offsets(pid_k, N, n_safe[None, :], offs_i[:, None], rows_in_tile, EVEN_K))
+    like = tl.zeros([1], dtype=w_ptr.dtype.element_ty)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size,
+                                                    like, TILE_GROUPS, USE_PTX)
+    mask = (offs_i < rows_in_tile)[:, None] & n_mask[None, :]
+    base = w_ptr + (k0 + offs_i)[:, None] * N + offs_n[None, :]
+    step = rows_in_tile * N
     tl.store(base, d0, mask=mask)
-    tl.store(base + N, d1, mask=mask)
-    tl.store(base + 2 * N, d2, mask=mask)
-    tl.store(base + 3 * N, d3, mask=mask)
-    tl.store(base + 4 * N, d4, mask=mask)
-    tl.store(base + 5 * N, d5, mask=mask)
-    tl.store(base + 6 * N, d6, mask=mask)
-    tl.store(base + 7 * N, d7, mask=mask)
+    tl.store(base + step, d1, mask=mask)
+    tl.store(base + 2 * step, d2, mask=mask)
+    tl.store(base + 3 * step, d3, mask=mask)
+    tl.store(base + 4 * step, d4, mask=mask)
+    tl.store(base + 5 * step, d5, mask=mask)
+    tl.store(base + 6 * step, d6, mask=mask)
+    tl.store(base + 7 * step, d7, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -525,9 +592,9 @@ def _use_ptx(device, dtype) -> bool:
         qw = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device=device, dtype=torch.int32, generator=gen)
         s = (torch.rand(k // gs, n, device=device, generator=gen) + 0.5).to(dtype)
         z = torch.randint(0, 16, (k // gs, n), device=device, generator=gen).to(dtype)
-        a = _dequantize(qw, s, z, gs, dtype, use_ptx=True)
-        b = _dequantize(qw, s, z, gs, dtype, use_ptx=False)
-        ok = bool(torch.equal(a, b))
+        ok = all(torch.equal(_dequantize(qw, s[::g], z[::g], gs * g, dtype, use_ptx=True),
+                             _dequantize(qw, s[::g], z[::g], gs * g, dtype, use_ptx=False))
+                 for g in (1, 2))  # per-plane groups (unpack only) and tile groups (unpack + dequantize)
         if not ok:
             logger.warning("hf_fastpath W4A16: the PTX nibble unpack disagrees with the reference unpack on this "
                            "Triton %s; using the slower plain-Triton unpack", triton.__version__)
@@ -535,25 +602,31 @@ def _use_ptx(device, dtype) -> bool:
     return _PTX_OK[key]
 
 
-def _decode_config(m: int, interpret: bool, factored_groups: bool):
-    """Launch configuration for M rows. factored_groups: every K tile lies in one quantization group (group size
-    a multiple of 128, or one group), so scales apply once per tile and output."""
-    small = m <= 8 and factored_groups
+def _decode_config(m: int, interpret: bool, tile_groups: bool):
+    """Launch configuration for M rows. tile_groups: every K tile lies in one quantization group (group size a
+    multiple of 128, or one group), so scales and zeros can apply once per tile and output."""
+    small = m <= 8 and tile_groups
     if interpret:  # the GPU's row tiles, narrower columns: fast enough for the interpreter
-        return dict(BLOCK_M=(1 if m == 1 else 8) if small else 16, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=1)
+        return dict(BLOCK_M=(1 if m == 1 else 8) if small else 16, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=1,
+                    mode="factored")
     # H200 sweeps (benchmarks/results/w4a16_sweep*.json). Up to 8 rows (session 3): a 1- or 8-row tile (Triton
     # pads the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with ~2 programs per SM was
     # 1.15-1.45x faster than the 16-row tile on Llama-3 8B/70B shapes (w4a16_sweep_s3*.json). Not with groups
-    # smaller than a K tile: that variant dequantizes every weight, spills (Triton 3.6: 864 bytes of stack) and
-    # faulted once on the H200.
-    # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2); from 33 rows a 64-row tile with 128 columns.
+    # smaller than a K tile: that variant dequantizes every weight and spilled (Triton 3.6).
     if small and m == 1:
-        return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2)
+        return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
     if small:
-        return dict(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=2)
+        return dict(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=2, mode="factored")
+    # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2). 33-64 rows: the exact q - z operand, scaled after
+    # the dot, was 10-25% faster than dequantizing in the loop (session 4, w4a16_sweep_s4.json).
     if m <= 32:
-        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=1)
-    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, per_sm=1)
+        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=1,
+                    mode="factored" if m <= 16 else "dequant")
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, per_sm=1, mode="centered")
+
+
+def _tile_groups(group_size: int, k: int) -> bool:
+    return group_size % _BLOCK_K == 0 or group_size == k
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -561,16 +634,13 @@ def _decode_config(m: int, interpret: bool, factored_groups: bool):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, factored=None):
+def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None):
     m, k = x2.shape
     n = qweight.shape[1]
     interpret = _interpreting()
-    aligned = group_size % _BLOCK_K == 0 or group_size == k
-    cfg = cfg or _decode_config(m, interpret, aligned)
-    if factored is None:
-        factored = cfg["BLOCK_M"] <= 16
-    factored = factored and aligned
-    per_row = not aligned
+    tile_groups = _tile_groups(group_size, k)
+    cfg = cfg or _decode_config(m, interpret, tile_groups)
+    mode = MODES[cfg["mode"]] if tile_groups else MODES["grouped"]
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
     k_steps = triton.cdiv(k, _BLOCK_K)
@@ -583,10 +653,9 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
         ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, n_tiles * m_tiles)
     _decode_kernel[(n_tiles, split_k, m_tiles)](
         x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
-        split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, FACTORED=factored,
-        PER_ROW_GROUPS=per_row, EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1,
-        USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MODE=mode, EVEN_K=k % _BLOCK_K == 0,
+        EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -608,8 +677,8 @@ def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, sp
     target = dx if split_n == 1 else torch.zeros((m, k), device=dy2.device, dtype=torch.float32)
     _decode_grad_kernel[(k_tiles, split_n, m_tiles)](
         dy2, qweight, scales, zeros, target, m, n, k, dy2.stride(0), target.stride(0), group_size, per_split,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=_BLOCK_K, ATOMIC=split_n > 1,
-        USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_GROUPS=_tile_groups(group_size, k),
+        EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_n > 1, USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split_n > 1:
         dx.copy_(target)
@@ -620,13 +689,52 @@ def _dequantize(qweight, scales, zeros, group_size, dtype, use_ptx=None):
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     w = torch.empty((k, n), device=qweight.device, dtype=dtype)
-    block_k8, block_n, warps = (16, 64, 4) if _interpreting() else (16, 256, 8)
+    block_n, warps = (64, 4) if _interpreting() else (256, 8)
     if use_ptx is None:
         use_ptx = _use_ptx(qweight.device, dtype)
-    grid = (triton.cdiv(k // 8, block_k8), triton.cdiv(n, block_n))
-    _dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n, BLOCK_K8=block_k8,
-                          USE_PTX=use_ptx, num_warps=warps)
+    grid = (triton.cdiv(k, _BLOCK_K), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n,
+                          TILE_GROUPS=_tile_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0, USE_PTX=use_ptx,
+                          num_warps=warps)
     return w
+
+
+def k_tile_order(k: int, device=None) -> torch.Tensor:
+    """The input row held by each nibble of the K-tiled layout: nibble j of word row r = 16 t + i holds input row
+    128 t + R j + i (R = min(16, K / 8 - 16 t): 16 except in a ragged last tile); returned flat, index 8 r + j."""
+    if k % 8 != 0:
+        raise ValueError(f"K = {k} must be a multiple of 8 (8 4-bit codes per int32 word)")
+    r = torch.arange(k // 8, device=device)
+    t, i = r // 16, r % 16
+    rows_in_tile = torch.clamp(k // 8 - 16 * t, max=16)
+    order = 128 * t[:, None] + rows_in_tile[:, None] * torch.arange(8, device=device)[None, :] + i[:, None]
+    return order.reshape(-1)
+
+
+def w4a16_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Integer codes [K, N] in 0..15 (input rows first, y = x @ W) -> the kernels' qweight (layout above)."""
+    k, n = codes.shape
+    rows = codes[k_tile_order(k, codes.device)].to(torch.int64).reshape(k // 8, 8, n)
+    words = (rows << (4 * torch.arange(8, device=codes.device)).view(1, 8, 1)).sum(1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    full = k // 128  # full K tiles: [16, N] word blocks stored as [N, 16]; a ragged tail [R, N] as [N, R]
+    head = words[:16 * full].reshape(full, 16, n).transpose(1, 2).reshape(-1)
+    tail = words[16 * full:].t().reshape(-1)
+    return torch.cat([head, tail]).reshape(k // 8, n)
+
+
+def w4a16_unpack(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of `w4a16_pack`: qweight [K // 8, N] -> int32 codes [K, N]."""
+    kw, n = qweight.shape
+    k, full = kw * 8, kw // 16
+    flat = qweight.reshape(-1)
+    head = flat[:16 * full * n].reshape(full, n, 16).transpose(1, 2).reshape(16 * full, n)
+    tail = flat[16 * full * n:].reshape(n, kw - 16 * full).t()
+    words = torch.cat([head, tail]).to(torch.int64) & 0xFFFFFFFF
+    nibbles = (words[:, None, :] >> (4 * torch.arange(8, device=qweight.device)).view(1, 8, 1)) & 0xF
+    codes = torch.empty(k, n, dtype=torch.int32, device=qweight.device)
+    codes[k_tile_order(k, qweight.device)] = nibbles.reshape(k, n).to(torch.int32)
+    return codes
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

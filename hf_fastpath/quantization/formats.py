@@ -316,12 +316,31 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
     return perm
 
 
+def pack_kernel_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [K, N] (group-sorted row order) -> the module's qweight: 4-bit codes in the kernels' K-tiled layout
+    (`hf_fastpath.kernels.w4a16.w4a16_pack`), other widths packed GPTQ-style (no kernel reads those)."""
+    if bits == 4:
+        from ..kernels.w4a16 import w4a16_pack
+
+        return w4a16_pack(codes)
+    return pack_rows(codes, bits)
+
+
+def unpack_kernel_rows(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Inverse of `pack_kernel_rows`."""
+    if bits == 4:
+        from ..kernels.w4a16 import w4a16_unpack
+
+        return w4a16_unpack(qweight)
+    return unpack_rows(qweight, bits, in_features)
+
+
 def to_kernel_layout(weight: IntWeight, bits: int, group_size: int, dtype: torch.dtype) -> KernelTensors:
     """`IntWeight` -> the module's buffers: rows sorted by group, packed along K, float scales/zeros in `dtype`."""
     perm = act_order_perm(weight.g_idx, group_size)
     codes = weight.codes if perm is None else weight.codes[perm]
     return KernelTensors(
-        qweight=pack_rows(codes, bits),
+        qweight=pack_kernel_rows(codes, bits),
         scales=weight.scales.to(dtype).contiguous(),
         zeros=weight.zeros.to(dtype).contiguous(),
         perm=perm,
@@ -331,7 +350,7 @@ def to_kernel_layout(weight: IntWeight, bits: int, group_size: int, dtype: torch
 def from_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None,
                        bits: int, group_size: int, in_features: int) -> IntWeight:
     """Inverse of `to_kernel_layout` (zero points are rounded back to integers)."""
-    codes_sorted = unpack_rows(qweight, bits, in_features)
+    codes_sorted = unpack_kernel_rows(qweight, bits, in_features)
     g_sorted = trivial_g_idx(in_features, group_size, qweight.device)
     if perm is None:
         codes, g_idx = codes_sorted, g_sorted
@@ -344,13 +363,13 @@ def from_kernel_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# direct GPTQ <-> kernel layout (the packed codes are the same unless act-order rows must move)
+# direct GPTQ <-> kernel layout (no float round trip: the integer codes move, the zeros are unpacked once)
 
 
 def gptq_to_kernel_layout(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                           g_idx: torch.Tensor | None, bits: int, group_size: int, checkpoint_format: str,
                           dtype: torch.dtype, in_features: int) -> KernelTensors:
-    """GPTQ tensors -> kernel layout without unpacking the codes when the groups are already contiguous."""
+    """GPTQ tensors -> kernel layout; only the codes' order within K tiles changes unless act-order rows move."""
     _check_format(checkpoint_format)
     perm = None if g_idx is None else act_order_perm(g_idx, group_size)
     if perm is not None:
@@ -359,19 +378,20 @@ def gptq_to_kernel_layout(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     zeros = unpack_cols(qzeros, bits, qweight.shape[1])
     if checkpoint_format == "gptq":
         zeros = zeros + 1
-    return KernelTensors(qweight.contiguous(), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), None)
+    kernel_qweight = pack_kernel_rows(unpack_rows(qweight, bits, in_features), bits)
+    return KernelTensors(kernel_qweight, scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), None)
 
 
 def kernel_to_gptq(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None,
                    bits: int, group_size: int, in_features: int, checkpoint_format: str,
                    scale_dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
-    """Kernel layout -> GPTQ tensors; the packed codes pass through unless act-order rows must move."""
+    """Kernel layout -> GPTQ tensors (the inverse of `gptq_to_kernel_layout`)."""
     if perm is not None:
         weight = from_kernel_layout(qweight, scales, zeros, perm, bits, group_size, in_features)
         return gptq_pack(weight, bits, checkpoint_format, scale_dtype)
     _check_format(checkpoint_format)
     return {
-        "qweight": qweight.contiguous(),
+        "qweight": pack_rows(unpack_kernel_rows(qweight, bits, in_features), bits),
         "qzeros": pack_gptq_zeros(torch.round(zeros.float()), bits, checkpoint_format),
         "scales": scales.to(scale_dtype).contiguous(),
         "g_idx": trivial_g_idx(in_features, group_size, qweight.device),

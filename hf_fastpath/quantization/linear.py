@@ -355,7 +355,7 @@ class W4A16Linear(nn.Module):
 
     def _dequantize_sorted(self, dtype: torch.dtype) -> torch.Tensor:
         """W with rows in kernel (group-sorted) order, `[K, N]`."""
-        codes = F.unpack_rows(self.qweight, self.bits, self.in_features)
+        codes = F.unpack_kernel_rows(self.qweight, self.bits, self.in_features)
         g = torch.arange(self.in_features, device=codes.device) // self._effective_group_size
         w = (codes.float() - self.zeros.float()[g]) * self.scales.float()[g]
         return w.to(dtype)
