@@ -109,6 +109,17 @@ def test_packing_matches_the_documented_layout():
         packed = w4a16_pack(codes)
         assert torch.equal(packed, tile_major(pack_codes(codes[tiled_rows(k)])))
         assert torch.equal(w4a16_unpack(packed), codes)
+
+
+def test_packing_in_chunks_of_k_tiles(monkeypatch):
+    import hf_fastpath.kernels.w4a16 as kernels
+
+    monkeypatch.setattr(kernels, "_PACK_CHUNK_CODES", 128 * 6)  # one K tile per chunk at N = 6
+    codes = torch.randint(0, 16, (456, 6), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    packed = w4a16_pack(codes)
+    assert len(kernels._tile_chunks(456, 6)) == 4
+    assert torch.equal(packed, tile_major(pack_codes(codes[tiled_rows(456)])))
+    assert torch.equal(w4a16_unpack(packed), codes)
     with pytest.raises(ValueError, match="multiple of 8"):
         k_tile_order(100)
 

@@ -711,29 +711,48 @@ def k_tile_order(k: int, device=None) -> torch.Tensor:
     return order.reshape(-1)
 
 
+_PACK_CHUNK_CODES = 2**25
+
+
+def _tile_chunks(k: int, n: int):
+    """Row ranges of whole K tiles, about _PACK_CHUNK_CODES codes each: packing and unpacking go chunk by chunk
+    so that a large layer's int64 temporaries stay ~256 MB."""
+    step = max(128, (_PACK_CHUNK_CODES // max(n, 1)) // 128 * 128)
+    return [(r0, min(k, r0 + step)) for r0 in range(0, k, step)]
+
+
 def w4a16_pack(codes: torch.Tensor) -> torch.Tensor:
     """Integer codes [K, N] in 0..15 (input rows first, y = x @ W) -> the kernels' qweight (layout above)."""
     k, n = codes.shape
-    rows = codes[k_tile_order(k, codes.device)].to(torch.int64).reshape(k // 8, 8, n)
-    words = (rows << (4 * torch.arange(8, device=codes.device)).view(1, 8, 1)).sum(1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    full = k // 128  # full K tiles: [16, N] word blocks stored as [N, 16]; a ragged tail [R, N] as [N, R]
-    head = words[:16 * full].reshape(full, 16, n).transpose(1, 2).reshape(-1)
-    tail = words[16 * full:].t().reshape(-1)
-    return torch.cat([head, tail]).reshape(k // 8, n)
+    if k % 8 != 0:
+        raise ValueError(f"K = {k} must be a multiple of 8 (8 4-bit codes per int32 word)")
+    out = torch.empty(k // 8, n, dtype=torch.int32, device=codes.device)
+    flat = out.view(-1)
+    shifts = 4 * torch.arange(8, device=codes.device).view(1, 8, 1)
+    for r0, r1 in _tile_chunks(k, n):
+        rows = codes[r0:r1][k_tile_order(r1 - r0, codes.device)].to(torch.int64).reshape(-1, 8, n)
+        words = (rows << shifts).sum(1)
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        full = (r1 - r0) // 128  # full K tiles: [16, N] word blocks stored as [N, 16]; a ragged tail [R, N] as [N, R]
+        head = words[:16 * full].reshape(full, 16, n).transpose(1, 2).reshape(-1)
+        flat[r0 * n // 8:r1 * n // 8] = torch.cat([head, words[16 * full:].t().reshape(-1)])
+    return out
 
 
 def w4a16_unpack(qweight: torch.Tensor) -> torch.Tensor:
     """Inverse of `w4a16_pack`: qweight [K // 8, N] -> int32 codes [K, N]."""
     kw, n = qweight.shape
-    k, full = kw * 8, kw // 16
-    flat = qweight.reshape(-1)
-    head = flat[:16 * full * n].reshape(full, n, 16).transpose(1, 2).reshape(16 * full, n)
-    tail = flat[16 * full * n:].reshape(n, kw - 16 * full).t()
-    words = torch.cat([head, tail]).to(torch.int64) & 0xFFFFFFFF
-    nibbles = (words[:, None, :] >> (4 * torch.arange(8, device=qweight.device)).view(1, 8, 1)) & 0xF
+    k = kw * 8
     codes = torch.empty(k, n, dtype=torch.int32, device=qweight.device)
-    codes[k_tile_order(k, qweight.device)] = nibbles.reshape(k, n).to(torch.int32)
+    flat = qweight.reshape(-1)
+    shifts = 4 * torch.arange(8, device=qweight.device).view(1, 8, 1)
+    for r0, r1 in _tile_chunks(k, n):
+        part = flat[r0 * n // 8:r1 * n // 8]
+        rows, full = (r1 - r0) // 8, (r1 - r0) // 128
+        head = part[:16 * full * n].reshape(full, n, 16).transpose(1, 2).reshape(16 * full, n)
+        words = torch.cat([head, part[16 * full * n:].reshape(n, rows - 16 * full).t()]).to(torch.int64)
+        nibbles = ((words & 0xFFFFFFFF)[:, None, :] >> shifts) & 0xF
+        codes[r0:r1][k_tile_order(r1 - r0, qweight.device)] = nibbles.reshape(r1 - r0, n).to(torch.int32)
     return codes
 
 
