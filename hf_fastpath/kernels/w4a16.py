@@ -150,11 +150,7 @@ def _nibbles8(w, s, nzs, like, DEQUANT: tl.constexpr, USE_PTX: tl.constexpr):
 
 @triton.jit
 def _magic(w, shift: tl.constexpr, dtype: tl.constexpr):
-    q = ((w >> shift) & 0xF).to(tl.float32)
-    if dtype == tl.bfloat16:
-        return (q + 128.0).to(dtype)
-    else:
-        return (q + 1024.0).to(dtype)
+    return (((w >> shift) & 0xF).to(tl.float32) + _magic_bias(dtype)).to(dtype)
 
 
 @triton.jit
@@ -164,21 +160,15 @@ def _deq(w, shift: tl.constexpr, s, nzs, dtype: tl.constexpr):
 
 
 @triton.jit
-def _cat(a, b, AXIS: tl.constexpr):
-    """Two equal 2-D tiles -> one, b after a along AXIS. In the tensor-core operand layout each thread already
+def _cat(a, b):
+    """Two [R, C] tiles -> [R, 2C], b's columns after a's. In the tensor-core operand layout each thread already
     holds matching positions of a and b, so this is register renaming, not a shuffle (checked in the SASS)."""
-    s0: tl.constexpr = a.shape[0]
-    s1: tl.constexpr = a.shape[1]
-    if AXIS == 0:
-        return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * s0, s1))
-    else:
-        return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (s0, 2 * s1))
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
 
 
 @triton.jit
-def _cat8(p0, p1, p2, p3, p4, p5, p6, p7, AXIS: tl.constexpr):
-    return _cat(_cat(_cat(p0, p1, AXIS), _cat(p2, p3, AXIS), AXIS),
-                _cat(_cat(p4, p5, AXIS), _cat(p6, p7, AXIS), AXIS), AXIS)
+def _cat8(p0, p1, p2, p3, p4, p5, p6, p7):
+    return _cat(_cat(_cat(p0, p1), _cat(p2, p3)), _cat(_cat(p4, p5), _cat(p6, p7)))
 
 
 @triton.jit
@@ -321,7 +311,7 @@ def _decode_kernel(
                 s2 = tl.broadcast_to(s1[:, None], (BLOCK_N, 16))
                 nzs = tl.broadcast_to((-(z1.to(tl.float32) * s1.to(tl.float32))).to(dtype)[:, None], (BLOCK_N, 16))
             q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, s2, nzs, xt, True, USE_PTX)
-        a = _cat8(q0, q1, q2, q3, q4, q5, q6, q7, 1)
+        a = _cat8(q0, q1, q2, q3, q4, q5, q6, q7)
         if MODE == FACTORED:
             part = _dot(a, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), FP32_DOT)
             xsum = tl.sum(xt.to(tl.float32), axis=0)
