@@ -73,7 +73,7 @@ def assert_close(out, ref, dtype):
 
 F16, BF16 = torch.float16, torch.bfloat16
 CASES = [
-    # M, K, N, group, dtype, zeros: decode kernel (M <= 64) in all its modes, then the dequantize + matmul path
+    # M, K, N, group, dtype, zeros: the fused kernel (M <= DECODE_MAX_M) in all its modes, then dequantize + matmul
     (1, 64, 24, 32, F16, "sym"),  # groups smaller than a K tile: per-row scales
     (1, 256, 37, 128, BF16, "random"),  # odd N, one group per K tile: scale applied after the dot
     (3, 192, 40, 64, BF16, "random"),
@@ -83,9 +83,10 @@ CASES = [
     (5, 384, 40, 192, BF16, "random"),  # group of 192: not a multiple of the K tile
     (17, 256, 72, 128, F16, "random"),  # second M tile, scale after the dot on a 32-row tile
     (17, 192, 24, 32, BF16, "sym"),
-    (64, 256, 40, 64, F16, "random"),  # largest decode M
-    (67, 192, 24, 32, F16, "random"),  # above the decode range: dequantize + matmul
+    (64, 256, 40, 64, F16, "random"),  # one full 64-row tile
+    (67, 192, 24, 32, F16, "random"),  # several M tiles of the fused kernel
     (67, 256, 37, 128, BF16, "sym"),
+    (200, 128, 24, 32, BF16, "random"),  # above the fused range: dequantize + matmul
 ]
 
 

@@ -11,7 +11,7 @@ Weight layout (the contract shared with `hf_fastpath.quantization`; K = in_featu
   W[k, n] = scales[k // gs, n] * (code(k, n) - zeros[k // gs, n]),   y = x @ W.
 
 How the kernels avoid the usual costs (all measured / read off the SASS on sm_90):
-  * Small M (decode, M <= 64) computes y^T = W^T x^T so the weights are the *register* operand of the tensor-core
+  * M <= 192 (decode and short prefill) computes y^T = W^T x^T so the weights are the *register* operand of the tensor-core
     dot: the packed words come through shared memory (cp.async, pipelined over K tiles), the unpack runs in the MMA
     operand layout and no unpacked weight touches shared memory.
   * The K-tiled layout makes nibble plane j of a [BLOCK_N, 16] word tile the j-th 16-input slice of the K tile:
@@ -31,8 +31,9 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     y += s * (x.(bias+q) - (z + bias) * sum(x)); 17-32 rows dequantize in pairs (q*s - z*s, one fma); 33-64 rows
     dot the exact q - z (integer zero points) and scale after. Groups that do not cover whole K tiles dequantize
     each plane with its own group.
-  * Large M (> 64): dequantize W once into a scratch tile and call cuBLAS: on an H200 this beat our fused
-    tensor-core kernel at every M >= 256 (the fused one is limited by the in-loop dequantization).
+  * Large M (> 192): dequantize W once into a scratch tile and call cuBLAS. The fused kernel (64-row tiles, each
+    re-dequantizing its weights) wins up to 192 rows on an H200 (1.1-2.4x dequantize + cuBLAS, whose x @ W
+    is slow at M = 128), loses from 256-384.
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
     counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
   * Up to 8 rows, 1- or 8-row tiles: Triton pads the MMA to its minimum shape, but the accumulator, the epilogue
@@ -59,7 +60,8 @@ __all__ = ["w4a16_matmul", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16
 
 logger = logging.getLogger(__name__)
 
-DECODE_MAX_M = 64  # forward: above this many rows dequantize + cuBLAS (measured faster on H200 from M = 256 up)
+DECODE_MAX_M = 192  # forward: above this many rows dequantize + cuBLAS (H200: faster from M = 256 on 4096^2,
+# from 384 on every Llama-3 shape; benchmarks/results/w4a16_prefill_crossover_s4.json)
 GRAD_DECODE_MAX_M = 16  # grad_input: the fused kernel only wins for very few rows (H200 sweep)
 _BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: the minimum tensor-core K)
 
@@ -607,8 +609,8 @@ def _decode_config(m: int, interpret: bool, tile_groups: bool):
         return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
     if small:
         return dict(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=2, mode="factored")
-    # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2). 33-64 rows: the exact q - z operand, scaled after
-    # the dot, was 10-25% faster than dequantizing in the loop (session 4, w4a16_sweep_s4.json).
+    # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2). From 33 rows, 64-row tiles dotting the exact q - z
+    # operand, scaled after the dot: 10-25% faster than dequantizing in the loop (session 4, w4a16_sweep_s4.json).
     if m <= 32:
         return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=1,
                     mode="factored" if m <= 16 else "dequant")
@@ -752,7 +754,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
     x: [..., K] float16/bfloat16 (contiguous last dim preferred); returns [..., N] in x's dtype.
     group_size: K // scales.shape[0], or -1 for one group over all of K.
-    M (rows of x) <= 64 runs the fused decode kernel; larger M dequantizes W into a temporary [K, N] tensor
+    qweight is `w4a16_pack(codes)` (what W4A16Linear holds), not a GPTQ checkpoint's qweight.
+    M (rows of x) <= DECODE_MAX_M runs the fused kernel; larger M dequantizes W into a temporary [K, N] tensor
     (K * N * 2 bytes) and calls cuBLAS, which measured faster there.
     """
     what = "w4a16_matmul"
