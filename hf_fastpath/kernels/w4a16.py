@@ -112,6 +112,18 @@ def _ptx(kind: str, dequant: bool) -> str:
     return _PTX_HEAD.format(magic=c["magic"]) + body + "}"
 
 
+# One plane value pair with its own groups: (bias + q) - (z + bias) = q - z exactly, then * s with one rounding
+# ($1: the magic pair, $2: -(z + bias), $3: s; -0.0 as the addend keeps the product exact before rounding).
+_PTX_PLANE = """{{
+.reg .b32 t, one, nz;
+mov.b32 one, {one};
+mov.b32 nz, 0x80008000;
+fma.rn.{t}x2 t, $1, one, $2;
+fma.rn.{t}x2 $0, t, $3, nz;
+}}"""
+PLANE_BF16 = tl.constexpr(_PTX_PLANE.format(t="bf16", one=_PTX_CONSTS["bf16"]["one"]))
+PLANE_F16 = tl.constexpr(_PTX_PLANE.format(t="f16", one=_PTX_CONSTS["f16"]["one"]))
+PLANE_CONSTRAINTS = tl.constexpr("=r,r,r,r")
 UNPACK_BF16 = tl.constexpr(_ptx("bf16", False))
 UNPACK_F16 = tl.constexpr(_ptx("f16", False))
 DEQUANT_BF16 = tl.constexpr(_ptx("bf16", True))
@@ -182,13 +194,51 @@ def _magic_bias(dtype: tl.constexpr):
 
 
 @triton.jit
-def _grouped_plane(q, j: tl.constexpr, k_first, rows_in_tile, s_ptr, z_ptr, n_idx, N, K, group_size):
-    """Nibble plane j (bias + q) dequantized with a group per input row: its rows are inputs k_first + R * j
-    (k_first, n_idx: tiles of q's shape, R = rows_in_tile). For groups that do not cover whole K tiles."""
-    g = tl.minimum(k_first + rows_in_tile * j, K - 1) // group_size
-    s = tl.load(s_ptr + g * N + n_idx).to(tl.float32)
-    z = tl.load(z_ptr + g * N + n_idx).to(tl.float32)
-    return ((q.to(tl.float32) - (z + _magic_bias(q.dtype))) * s).to(q.dtype)
+def _grouped_plane(q, j: tl.constexpr, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size,
+                   PLANE_GROUPS: tl.constexpr, USE_PTX: tl.constexpr):
+    """Nibble plane j (bias + q; its inputs k0 + R j + i) dequantized with its own groups: (q - z) * s, exact
+    q - z and one rounding. i_idx, n_idx: index tiles broadcastable to q. PLANE_GROUPS: the plane's 16 inputs lie
+    in one group (group size a multiple of 16, whole tiles), so scales and zeros are one vector per plane."""
+    if PLANE_GROUPS:
+        g = (k0 + 16 * j) // group_size
+    else:
+        g = tl.minimum(k0 + rows_in_tile * j + i_idx, K - 1) // group_size
+    s = tl.load(s_ptr + g * N + n_idx)
+    zb = tl.load(z_ptr + g * N + n_idx).to(tl.float32) + _magic_bias(q.dtype)
+    if USE_PTX:
+        nzb = tl.broadcast_to((-zb).to(q.dtype), q.shape)
+        s2 = tl.broadcast_to(s, q.shape)
+        if q.dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(PLANE_BF16, PLANE_CONSTRAINTS, [q, nzb, s2], dtype=q.dtype,
+                                             is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(PLANE_F16, PLANE_CONSTRAINTS, [q, nzb, s2], dtype=q.dtype,
+                                             is_pure=True, pack=2)
+    else:
+        return ((q.to(tl.float32) - zb) * s.to(tl.float32)).to(q.dtype)
+
+
+@triton.jit
+def _grouped_planes(w, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, like,
+                    PLANE_GROUPS: tl.constexpr, USE_PTX: tl.constexpr):
+    """The 8 nibble planes of word tile w, each dequantized with its own groups."""
+    q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, like, False, USE_PTX)
+    return (_grouped_plane(q0, 0, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX),
+            _grouped_plane(q1, 1, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX),
+            _grouped_plane(q2, 2, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX),
+            _grouped_plane(q3, 3, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX),
+            _grouped_plane(q4, 4, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX),
+            _grouped_plane(q5, 5, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX),
+            _grouped_plane(q6, 6, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX),
+            _grouped_plane(q7, 7, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
+                           USE_PTX))
 
 
 @triton.jit
@@ -232,8 +282,8 @@ MODES = {"factored": 0, "centered": 1, "dequant": 2, "grouped": 3}
 def _decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, group_size, tiles_per_split, n_splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    SPLIT: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, PLANE_GROUPS: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split.
 
@@ -251,7 +301,7 @@ def _decode_kernel(
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     dtype = x_ptr.dtype.element_ty
-    offs_n = tl.max_contiguous(tl.multiple_of(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_i = tl.arange(0, 16)
     offs_c = tl.arange(0, 128)
@@ -294,17 +344,9 @@ def _decode_kernel(
         if MODE == FACTORED:
             q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, xt, False, USE_PTX)
         elif MODE == GROUPED:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, xt, False, USE_PTX)
-            kf = tl.broadcast_to((k0 + offs_i)[None, :], (BLOCK_N, 16))
-            ni = tl.broadcast_to(n_safe[:, None], (BLOCK_N, 16))
-            q0 = _grouped_plane(q0, 0, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
-            q1 = _grouped_plane(q1, 1, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
-            q2 = _grouped_plane(q2, 2, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
-            q3 = _grouped_plane(q3, 3, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
-            q4 = _grouped_plane(q4, 4, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
-            q5 = _grouped_plane(q5, 5, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
-            q6 = _grouped_plane(q6, 6, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
-            q7 = _grouped_plane(q7, 7, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size)
+            q0, q1, q2, q3, q4, q5, q6, q7 = _grouped_planes(
+                w, k0, offs_i[None, :], n_safe[:, None], rows_in_tile, s_ptr, z_ptr, N, K, group_size, xt,
+                PLANE_GROUPS, USE_PTX)
         else:
             if MODE == CENTERED:  # (bias + q) * 1 - z: exact for integer zero points
                 s2 = tl.full((BLOCK_N, 16), 1.0, dtype)
@@ -348,7 +390,7 @@ def _decode_kernel(
 
 @triton.jit
 def _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size, like, TILE_GROUPS: tl.constexpr,
-                   USE_PTX: tl.constexpr):
+                   PLANE_GROUPS: tl.constexpr, USE_PTX: tl.constexpr):
     """The 8 dequantized nibble planes of a [16, BLOCK_N] word tile (plane j: inputs k0 + R * j + i)."""
     if TILE_GROUPS:
         s, z = _tile_group(s_ptr, z_ptr, k0 // 128, N, group_size, n_safe)
@@ -356,24 +398,16 @@ def _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size, 
         nzs = tl.broadcast_to((-(z.to(tl.float32) * s.to(tl.float32))).to(like.dtype)[None, :], w.shape)
         return _nibbles8(w, s2, nzs, like, True, USE_PTX)
     else:
-        q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, like, False, USE_PTX)
-        kf = tl.broadcast_to((k0 + tl.arange(0, 16))[:, None], w.shape)
-        ni = tl.broadcast_to(n_safe[None, :], w.shape)
-        return (_grouped_plane(q0, 0, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
-                _grouped_plane(q1, 1, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
-                _grouped_plane(q2, 2, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
-                _grouped_plane(q3, 3, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
-                _grouped_plane(q4, 4, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
-                _grouped_plane(q5, 5, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
-                _grouped_plane(q6, 6, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size),
-                _grouped_plane(q7, 7, kf, rows_in_tile, s_ptr, z_ptr, ni, N, K, group_size))
+        return _grouped_planes(w, k0, tl.arange(0, 16)[:, None], n_safe[None, :], rows_in_tile, s_ptr, z_ptr, N, K,
+                               group_size, like, PLANE_GROUPS, USE_PTX)
 
 
 @triton.jit
 def _decode_grad_kernel(
     dy_ptr, qw_ptr, s_ptr, z_ptr, dx_ptr,
     M, N, K, stride_dym, stride_dxm, group_size, tiles_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, PLANE_GROUPS: tl.constexpr,
+    EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """dx^T[k, m] = sum_n W[k, n] dy[m, n] for the 8 16-input slices of one K tile, over one split of N."""
@@ -405,7 +439,7 @@ def _decode_grad_kernel(
         dyt = tl.load(dy_ptr + offs_m[None, :] * stride_dym + offs_n[:, None], mask=n_mask[:, None] & m_mask[None, :],
                       other=0.0)
         d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size,
-                                                        dyt, TILE_GROUPS, USE_PTX)
+                                                        dyt, TILE_GROUPS, PLANE_GROUPS, USE_PTX)
         a0 = _dot(d0, dyt, a0, FP32_DOT)
         a1 = _dot(d1, dyt, a1, FP32_DOT)
         a2 = _dot(d2, dyt, a2, FP32_DOT)
@@ -436,7 +470,8 @@ def _store_rows(ptrs, vals, mask, ATOMIC: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
-                    BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, EVEN_K: tl.constexpr, USE_PTX: tl.constexpr):
+                    BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, PLANE_GROUPS: tl.constexpr, EVEN_K: tl.constexpr,
+                    USE_PTX: tl.constexpr):
     """W[k, n] for one 128-input K tile and BLOCK_N columns."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -450,7 +485,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
     w = tl.load(qw_ptr + _word_offsets(pid_k, N, n_safe[None, :], offs_i[:, None], rows_in_tile, EVEN_K))
     like = tl.zeros([1], dtype=w_ptr.dtype.element_ty)
     d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size,
-                                                    like, TILE_GROUPS, USE_PTX)
+                                                    like, TILE_GROUPS, PLANE_GROUPS, USE_PTX)
     mask = (offs_i < rows_in_tile)[:, None] & n_mask[None, :]
     base = w_ptr + (k0 + offs_i)[:, None] * N + offs_n[None, :]
     step = rows_in_tile * N
@@ -621,6 +656,11 @@ def _tile_groups(group_size: int, k: int) -> bool:
     return group_size % _BLOCK_K == 0 or group_size == k
 
 
+def _plane_groups(group_size: int, k: int) -> bool:
+    """Each 16-input nibble plane lies in one group (and no K tile is ragged)."""
+    return group_size % 16 == 0 and k % _BLOCK_K == 0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Entry points
 # ----------------------------------------------------------------------------------------------------------------
@@ -645,7 +685,8 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
         ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, n_tiles * m_tiles)
     _decode_kernel[(n_tiles, split_k, m_tiles)](
         x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
-        split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MODE=mode, EVEN_K=k % _BLOCK_K == 0,
+        split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MODE=mode,
+        PLANE_GROUPS=_plane_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0,
         EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
@@ -670,7 +711,7 @@ def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, sp
     _decode_grad_kernel[(k_tiles, split_n, m_tiles)](
         dy2, qweight, scales, zeros, target, m, n, k, dy2.stride(0), target.stride(0), group_size, per_split,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_GROUPS=_tile_groups(group_size, k),
-        EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_n > 1, USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
+        PLANE_GROUPS=_plane_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_n > 1, USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split_n > 1:
         dx.copy_(target)
@@ -686,7 +727,8 @@ def _dequantize(qweight, scales, zeros, group_size, dtype, use_ptx=None):
         use_ptx = _use_ptx(qweight.device, dtype)
     grid = (triton.cdiv(k, _BLOCK_K), triton.cdiv(n, block_n))
     _dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n,
-                          TILE_GROUPS=_tile_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0, USE_PTX=use_ptx,
+                          TILE_GROUPS=_tile_groups(group_size, k), PLANE_GROUPS=_plane_groups(group_size, k),
+                          EVEN_K=k % _BLOCK_K == 0, USE_PTX=use_ptx,
                           num_warps=warps)
     return w
 
