@@ -474,7 +474,9 @@ def main():
     p.add_argument("--then-sweep", metavar="JSON", help="after the benchmark, run the sweep into JSON")
     p.add_argument("--baseline", metavar="PY", help="sweep: also time this older copy of kernels/w4a16.py")
     p.add_argument("--race", metavar="JSON", help="only the split-K stress check (300 calls a case) into JSON")
+    p.add_argument("--group", type=int, default=GROUP, help="quantization group size (default %(default)s)")
     args = p.parse_args()
+    globals()["GROUP"] = args.group  # every layer, reference and call below uses this group size
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     if args.plot:
         plot(args.plot, args.out or os.path.join(here, "w4a16.png"))
@@ -487,10 +489,10 @@ def main():
                   rows=check_split_race(load_kernels(), gen)), args.race)
         return
     if args.sweep:
-        args.out = args.out or os.path.join(here, "w4a16_sweep.json")
+        args.out = args.out or os.path.join(here, "w4a16_sweep.json" if GROUP == 128 else f"w4a16_sweep_g{GROUP}.json")
         run_sweep(args)
     else:
-        args.out = args.out or os.path.join(here, "w4a16.json")
+        args.out = args.out or os.path.join(here, "w4a16.json" if GROUP == 128 else f"w4a16_g{GROUP}.json")
         run_main(args)
         if args.then_sweep:
             args.out = args.then_sweep
