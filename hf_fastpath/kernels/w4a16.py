@@ -619,12 +619,16 @@ def _use_ptx(device, dtype) -> bool:
         qw = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device=device, dtype=torch.int32, generator=gen)
         s = (torch.rand(k // gs, n, device=device, generator=gen) + 0.5).to(dtype)
         z = torch.randint(0, 16, (k // gs, n), device=device, generator=gen).to(dtype)
-        ok = all(torch.equal(_dequantize(qw, s[::g], z[::g], gs * g, dtype, use_ptx=True),
-                             _dequantize(qw, s[::g], z[::g], gs * g, dtype, use_ptx=False))
-                 for g in (1, 2))  # per-plane groups (unpack only) and tile groups (unpack + dequantize)
+        try:  # per-plane groups (unpack + plane dequantize) and tile groups (unpack + pair dequantize)
+            ok = all(torch.equal(_dequantize(qw, s[::g].contiguous(), z[::g].contiguous(), gs * g, dtype, True),
+                                 _dequantize(qw, s[::g].contiguous(), z[::g].contiguous(), gs * g, dtype, False))
+                     for g in (1, 2))
+        except Exception as exc:  # noqa: BLE001 - e.g. ptxas rejecting the inline PTX on a future toolchain
+            logger.warning("hf_fastpath W4A16: the PTX unpack failed to build (%s)", exc)
+            ok = False
         if not ok:
-            logger.warning("hf_fastpath W4A16: the PTX nibble unpack disagrees with the reference unpack on this "
-                           "Triton %s; using the slower plain-Triton unpack", triton.__version__)
+            logger.warning("hf_fastpath W4A16: the PTX nibble unpack is unusable or disagrees with the reference "
+                           "unpack on this Triton %s; using the slower plain-Triton unpack", triton.__version__)
         _PTX_OK[key] = ok
     return _PTX_OK[key]
 
