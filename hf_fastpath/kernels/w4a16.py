@@ -508,7 +508,7 @@ def _check_weights(qweight, scales, zeros, group_size, act_dtype, device, what):
     if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"{what}: qweight must be a 2-D int32 tensor [K // 8, N], got "
                          f"{getattr(qweight, 'dtype', type(qweight))} {tuple(getattr(qweight, 'shape', ()))}; "
-                         "pack the weights with hf_fastpath.quantization first")
+                         "pack integer codes with w4a16_pack (or load the layer as W4A16Linear)")
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     if group_size is None or group_size == -1:
