@@ -74,7 +74,7 @@ def assert_close(out, ref, dtype):
 F16, BF16 = torch.float16, torch.bfloat16
 CASES = [
     # M, K, N, group, dtype, zeros: the fused kernel (M <= DECODE_MAX_M) in all its modes, then dequantize + matmul
-    (1, 64, 24, 32, F16, "sym"),  # groups smaller than a K tile: per-row scales
+    (1, 64, 24, 32, F16, "sym"),  # groups smaller than a ragged K tile: a scale per weight
     (1, 256, 37, 128, BF16, "random"),  # odd N, one group per K tile: scale applied after the dot
     (3, 192, 40, 64, BF16, "random"),
     (8, 256, 40, 128, F16, "random"),  # a full 8-row tile (M <= 8 with whole-tile groups: 1- and 8-row tiles)
@@ -83,7 +83,7 @@ CASES = [
     (5, 384, 40, 192, BF16, "random"),  # group of 192: not a multiple of the K tile
     (17, 256, 72, 128, F16, "random"),  # second M tile, scale after the dot on a 32-row tile
     (17, 192, 24, 32, BF16, "sym"),
-    (64, 256, 40, 64, F16, "random"),  # one full 64-row tile
+    (64, 256, 40, 64, F16, "random"),  # one full 64-row tile; groups of 64: a scale vector per nibble plane
     (67, 192, 24, 32, F16, "random"),  # several M tiles of the fused kernel
     (67, 256, 37, 128, BF16, "sym"),
     (200, 128, 24, 32, BF16, "random"),  # above the fused range: dequantize + matmul
@@ -110,6 +110,8 @@ def test_packing_matches_the_documented_layout():
         packed = w4a16_pack(codes)
         assert torch.equal(packed, tile_major(pack_codes(codes[tiled_rows(k)])))
         assert torch.equal(w4a16_unpack(packed), codes)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        k_tile_order(100)
 
 
 def test_packing_in_chunks_of_k_tiles(monkeypatch):
@@ -121,8 +123,6 @@ def test_packing_in_chunks_of_k_tiles(monkeypatch):
     assert len(kernels._tile_chunks(456, 6)) == 4
     assert torch.equal(packed, tile_major(pack_codes(codes[tiled_rows(456)])))
     assert torch.equal(w4a16_unpack(packed), codes)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        k_tile_order(100)
 
 
 @pytest.mark.parametrize("mode", ["factored", "centered", "dequant"])
