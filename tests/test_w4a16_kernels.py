@@ -74,7 +74,7 @@ def assert_close(out, ref, dtype):
 F16, BF16 = torch.float16, torch.bfloat16
 CASES = [
     # M, K, N, group, dtype, zeros: the fused kernel (M <= DECODE_MAX_M) in all its modes, then dequantize + matmul
-    (1, 64, 24, 32, F16, "sym"),  # groups smaller than a ragged K tile: a scale per weight
+    (1, 64, 24, 32, F16, "sym"),  # groups smaller than a ragged K tile (8 word rows): a scale vector per plane
     (1, 256, 37, 128, BF16, "random"),  # odd N, one group per K tile: scale applied after the dot
     (3, 192, 40, 64, BF16, "random"),
     (8, 256, 40, 128, F16, "random"),  # a full 8-row tile (M <= 8 with whole-tile groups: 1- and 8-row tiles)
@@ -86,6 +86,7 @@ CASES = [
     (64, 256, 40, 64, F16, "random"),  # one full 64-row tile; groups of 64: a scale vector per nibble plane
     (67, 192, 24, 32, F16, "random"),  # several M tiles of the fused kernel
     (67, 256, 37, 128, BF16, "sym"),
+    (2, 224, 40, 32, F16, "random"),  # ragged tile of 12 word rows: its planes straddle groups of 32
     (200, 128, 24, 32, BF16, "random"),  # above the fused range: dequantize + matmul
 ]
 

@@ -198,9 +198,9 @@ def _grouped_plane(q, j: tl.constexpr, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_
                    PLANE_GROUPS: tl.constexpr, USE_PTX: tl.constexpr):
     """Nibble plane j (bias + q; its inputs k0 + R j + i) dequantized with its own groups: (q - z) * s, exact
     q - z and one rounding. i_idx, n_idx: index tiles broadcastable to q. PLANE_GROUPS: the plane's 16 inputs lie
-    in one group (group size a multiple of 16, whole tiles), so scales and zeros are one vector per plane."""
+    in one group (see _plane_groups), so scales and zeros are one vector per plane."""
     if PLANE_GROUPS:
-        g = (k0 + 16 * j) // group_size
+        g = (k0 + rows_in_tile * j) // group_size
     else:
         g = tl.minimum(k0 + rows_in_tile * j + i_idx, K - 1) // group_size
     s = tl.load(s_ptr + g * N + n_idx)
@@ -661,8 +661,9 @@ def _tile_groups(group_size: int, k: int) -> bool:
 
 
 def _plane_groups(group_size: int, k: int) -> bool:
-    """Each 16-input nibble plane lies in one group (and no K tile is ragged)."""
-    return group_size % 16 == 0 and k % _BLOCK_K == 0
+    """Every nibble plane lies in one group: 16 inputs in a full K tile, R = (K % 128) / 8 in a ragged last one."""
+    tail_rows = (k % _BLOCK_K) // 8
+    return group_size % 16 == 0 and (tail_rows == 0 or group_size % tail_rows == 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
