@@ -203,8 +203,13 @@ def _grouped_plane(q, j: tl.constexpr, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_
         g = (k0 + rows_in_tile * j) // group_size
     else:
         g = tl.minimum(k0 + rows_in_tile * j + i_idx, K - 1) // group_size
-    s = tl.load(s_ptr + g * N + n_idx)
-    zb = tl.load(z_ptr + g * N + n_idx).to(tl.float32) + _magic_bias(q.dtype)
+    return _plane_dequant(q, tl.load(s_ptr + g * N + n_idx), tl.load(z_ptr + g * N + n_idx), USE_PTX)
+
+
+@triton.jit
+def _plane_dequant(q, s, z, USE_PTX: tl.constexpr):
+    """(q - z) * s for a plane q of bias + q values: q - z exact, one rounding. s, z broadcast to q's shape."""
+    zb = z.to(tl.float32) + _magic_bias(q.dtype)
     if USE_PTX:
         nzb = tl.broadcast_to((-zb).to(q.dtype), q.shape)
         s2 = tl.broadcast_to(s, q.shape)
@@ -389,17 +394,53 @@ def _decode_kernel(
 
 
 @triton.jit
-def _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size, like, TILE_GROUPS: tl.constexpr,
+def _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, offs_n, N, K, group_size, like, TILE_GROUPS: tl.constexpr,
                    PLANE_GROUPS: tl.constexpr, USE_PTX: tl.constexpr):
-    """The 8 dequantized nibble planes of a [16, BLOCK_N] word tile (plane j: inputs k0 + R * j + i)."""
+    """The 8 dequantized nibble planes of a [16, BLOCK_N] word tile (plane j: inputs k0 + R * j + i); columns
+    offs_n past N come out as zeros when the groups allow, else clamped (finite) weights.
+
+    Scales and zeros are loaded as 2-D tiles, masked rather than clamped (a clamp hides the columns' contiguity):
+    only then are they wide enough for Triton's cp.async pipeline when this runs in a loop (a synchronous load per
+    step cost the input-gradient kernel up to 1.7x at M = 1 on the H200). A whole-tile group loads a
+    [16, BLOCK_N] tile of equal rows, per-plane groups an [8, BLOCK_N] tile split into its rows."""
+    offs_i = tl.arange(0, 16)
+    n_mask = offs_n < N
     if TILE_GROUPS:
-        s, z = _tile_group(s_ptr, z_ptr, k0 // 128, N, group_size, n_safe)
-        s2 = tl.broadcast_to(s[None, :], w.shape)
-        nzs = tl.broadcast_to((-(z.to(tl.float32) * s.to(tl.float32))).to(like.dtype)[None, :], w.shape)
-        return _nibbles8(w, s2, nzs, like, True, USE_PTX)
+        # equal rows, but computed so that Triton does not fold them into one narrow [BLOCK_N] load
+        offs = (tl.minimum(k0 + offs_i, K - 1) // group_size)[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + offs, mask=n_mask[None, :], other=0.0)
+        nzs = (-(tl.load(z_ptr + offs, mask=n_mask[None, :], other=0.0).to(tl.float32) * s.to(tl.float32)))
+        return _nibbles8(w, s, nzs.to(like.dtype), like, True, USE_PTX)
+    elif PLANE_GROUPS:
+        offs = ((k0 + rows_in_tile * tl.arange(0, 8)) // group_size)[:, None] * N + offs_n[None, :]
+        s0, s1, s2, s3, s4, s5, s6, s7 = _rows8(tl.load(s_ptr + offs, mask=n_mask[None, :], other=0.0))
+        z0, z1, z2, z3, z4, z5, z6, z7 = _rows8(tl.load(z_ptr + offs, mask=n_mask[None, :], other=0.0))
+        q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, like, False, USE_PTX)
+        return (_plane_dequant(q0, s0[None, :], z0[None, :], USE_PTX),
+                _plane_dequant(q1, s1[None, :], z1[None, :], USE_PTX),
+                _plane_dequant(q2, s2[None, :], z2[None, :], USE_PTX),
+                _plane_dequant(q3, s3[None, :], z3[None, :], USE_PTX),
+                _plane_dequant(q4, s4[None, :], z4[None, :], USE_PTX),
+                _plane_dequant(q5, s5[None, :], z5[None, :], USE_PTX),
+                _plane_dequant(q6, s6[None, :], z6[None, :], USE_PTX),
+                _plane_dequant(q7, s7[None, :], z7[None, :], USE_PTX))
     else:
-        return _grouped_planes(w, k0, tl.arange(0, 16)[:, None], n_safe[None, :], rows_in_tile, s_ptr, z_ptr, N, K,
-                               group_size, like, PLANE_GROUPS, USE_PTX)
+        return _grouped_planes(w, k0, offs_i[:, None], tl.minimum(offs_n, N - 1)[None, :], rows_in_tile, s_ptr,
+                               z_ptr, N, K, group_size, like, PLANE_GROUPS, USE_PTX)
+
+
+@triton.jit
+def _rows8(t):
+    """The 8 rows of an [8, C] tile as [C] vectors (row j = 4 a + 2 b + c: three splits of the last axis)."""
+    t = tl.reshape(tl.permute(t, (1, 0)), (t.shape[1], 2, 2, 2))
+    e, o = tl.split(t)
+    ee, eo = tl.split(e)
+    oe, oo = tl.split(o)
+    r0, r4 = tl.split(ee)
+    r2, r6 = tl.split(eo)
+    r1, r5 = tl.split(oe)
+    r3, r7 = tl.split(oo)
+    return r0, r1, r2, r3, r4, r5, r6, r7
 
 
 @triton.jit
@@ -438,7 +479,7 @@ def _decode_grad_kernel(
         # columns past N read clamped weights; their dy is zero
         dyt = tl.load(dy_ptr + offs_m[None, :] * stride_dym + offs_n[:, None], mask=n_mask[:, None] & m_mask[None, :],
                       other=0.0)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size,
+        d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, offs_n, N, K, group_size,
                                                         dyt, TILE_GROUPS, PLANE_GROUPS, USE_PTX)
         a0 = _dot(d0, dyt, a0, FP32_DOT)
         a1 = _dot(d1, dyt, a1, FP32_DOT)
@@ -484,7 +525,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
     rows_in_tile = tl.minimum(n_words - pid_k * 16, 16)
     w = tl.load(qw_ptr + _word_offsets(pid_k, N, n_safe[None, :], offs_i[:, None], rows_in_tile, EVEN_K))
     like = tl.zeros([1], dtype=w_ptr.dtype.element_ty)
-    d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, n_safe, N, K, group_size,
+    d0, d1, d2, d3, d4, d5, d6, d7 = _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, offs_n, N, K, group_size,
                                                     like, TILE_GROUPS, PLANE_GROUPS, USE_PTX)
     mask = (offs_i < rows_in_tile)[:, None] & n_mask[None, :]
     base = w_ptr + (k0 + offs_i)[:, None] * N + offs_n[None, :]
@@ -633,17 +674,20 @@ def _use_ptx(device, dtype) -> bool:
     return _PTX_OK[key]
 
 
-def _decode_config(m: int, interpret: bool, tile_groups: bool):
+def _decode_config(m: int, interpret: bool, tile_groups: bool, plane_groups: bool = False):
     """Launch configuration for M rows. tile_groups: every K tile lies in one quantization group (group size a
-    multiple of 128, or one group), so scales and zeros can apply once per tile and output."""
-    small = m <= 8 and tile_groups
+    multiple of 128, or one group), so scales and zeros can apply once per tile and output; plane_groups: every
+    16-input nibble plane lies in one group (g32/g64)."""
+    small = m <= 8 and (tile_groups or plane_groups)
     if interpret:  # the GPU's row tiles, narrower columns: fast enough for the interpreter
         return dict(BLOCK_M=(1 if m == 1 else 8) if small else 16, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=1,
                     mode="factored")
     # H200 sweeps (benchmarks/results/w4a16_sweep*.json). Up to 8 rows (session 3): a 1- or 8-row tile (Triton
     # pads the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with ~2 programs per SM was
-    # 1.15-1.45x faster than the 16-row tile on Llama-3 8B/70B shapes (w4a16_sweep_s3*.json). Not with groups
-    # smaller than a K tile: that variant dequantizes every weight and spilled (Triton 3.6).
+    # 1.15-1.45x faster than the 16-row tile on Llama-3 8B/70B shapes (w4a16_sweep_s3*.json). With per-plane
+    # groups (g32) the 8-row tile with 2 warps was fastest at M = 1 (session 5, w4a16_sweep_g32.json).
+    if small and not tile_groups:
+        return dict(BLOCK_M=8, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
     if small and m == 1:
         return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
     if small:
@@ -676,7 +720,7 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     n = qweight.shape[1]
     interpret = _interpreting()
     tile_groups = _tile_groups(group_size, k)
-    cfg = cfg or _decode_config(m, interpret, tile_groups)
+    cfg = cfg or _decode_config(m, interpret, tile_groups, _plane_groups(group_size, k))
     mode = MODES[cfg["mode"]] if tile_groups else MODES["grouped"]
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
