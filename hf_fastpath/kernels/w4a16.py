@@ -302,9 +302,11 @@ def _decode_kernel(
     With SPLIT, the n_splits programs of a tile add their partial sums into the fp32 workspace ws (same shape and
     strides as out) and take a ticket from count[tile]; the last one casts the sum into out and leaves ws and
     count zeroed for the next call. One launch: no memset before, no cast kernel after."""
-    pid_n = tl.program_id(0)
+    # Row tiles vary fastest: the programs that share a weight tile run side by side, so all but the first read
+    # it from L2 instead of HBM.
+    pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_n = tl.program_id(2)
     dtype = x_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -378,7 +380,7 @@ def _decode_kernel(
         # Every thread's adds happen before the barrier; the ticket's release (cumulative) publishes them, and
         # the last program's acquire makes all splits' adds visible to its loads (L2, where the adds landed).
         tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_n * tl.num_programs(0) + pid_m
         ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == n_splits - 1:
             total = tl.load(ws_ptr + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
@@ -732,7 +734,7 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     ws = count = out  # unused without split-K
     if split_k > 1:
         ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, n_tiles * m_tiles)
-    _decode_kernel[(n_tiles, split_k, m_tiles)](
+    _decode_kernel[(m_tiles, split_k, n_tiles)](
         x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
         split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MODE=mode,
         PLANE_GROUPS=_plane_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0,
