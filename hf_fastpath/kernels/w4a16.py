@@ -195,15 +195,60 @@ def _magic_bias(dtype: tl.constexpr):
 
 @triton.jit
 def _grouped_plane(q, j: tl.constexpr, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size,
-                   PLANE_GROUPS: tl.constexpr, USE_PTX: tl.constexpr):
-    """Nibble plane j (bias + q; its inputs k0 + R j + i) dequantized with its own groups: (q - z) * s, exact
-    q - z and one rounding. i_idx, n_idx: index tiles broadcastable to q. PLANE_GROUPS: the plane's 16 inputs lie
-    in one group (see _plane_groups), so scales and zeros are one vector per plane."""
-    if PLANE_GROUPS:
-        g = (k0 + rows_in_tile * j) // group_size
-    else:
-        g = tl.minimum(k0 + rows_in_tile * j + i_idx, K - 1) // group_size
+                   USE_PTX: tl.constexpr):
+    """Nibble plane j (bias + q; its inputs k0 + R j + i) dequantized with a group per element, for groups that
+    split a plane (see _plane_groups): a gathered scale tile per plane, slow but rare. i_idx, n_idx: index tiles
+    broadcastable to q."""
+    g = tl.minimum(k0 + rows_in_tile * j + i_idx, K - 1) // group_size
     return _plane_dequant(q, tl.load(s_ptr + g * N + n_idx), tl.load(z_ptr + g * N + n_idx), USE_PTX)
+
+
+@triton.jit
+def _plane_tile(ptr, k0, rows_in_tile, offs_n, N, group_size):
+    """Scales (or zeros) [BLOCK_N, 8] of the 8 nibble planes of the K tile at k0 when each plane lies in one group:
+    one masked 2-D load (a clamped column index would hide the contiguity that Triton's cp.async pipeline needs;
+    8 separate [BLOCK_N] vectors of 2-byte values are too narrow for it)."""
+    g = (k0 + rows_in_tile * tl.arange(0, 8)) // group_size
+    return tl.load(ptr + g[None, :] * N + offs_n[:, None], mask=(offs_n < N)[:, None], other=0.0)
+
+
+@triton.jit
+def _split8(t):
+    """The 8 columns of a [C, 8] tile as [C] vectors (column j = 4 a + 2 b + c: three splits of the last axis)."""
+    t = tl.reshape(t, (t.shape[0], 2, 2, 2))
+    e, o = tl.split(t)
+    ee, eo = tl.split(e)
+    oe, oo = tl.split(o)
+    c0, c4 = tl.split(ee)
+    c2, c6 = tl.split(eo)
+    c1, c5 = tl.split(oe)
+    c3, c7 = tl.split(oo)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _along(v, N_AXIS: tl.constexpr):
+    if N_AXIS == 0:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _plane_group_planes(w, s8, z8, like, N_AXIS: tl.constexpr, USE_PTX: tl.constexpr):
+    """The 8 nibble planes of word tile w dequantized with one group each: s8, z8 are _plane_tile's [BLOCK_N, 8]
+    tiles; N_AXIS is w's column axis (0: [BLOCK_N, 16] in the forward, 1: [16, BLOCK_N])."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = _split8(s8)
+    z0, z1, z2, z3, z4, z5, z6, z7 = _split8(z8)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, like, False, USE_PTX)
+    return (_plane_dequant(q0, _along(s0, N_AXIS), _along(z0, N_AXIS), USE_PTX),
+            _plane_dequant(q1, _along(s1, N_AXIS), _along(z1, N_AXIS), USE_PTX),
+            _plane_dequant(q2, _along(s2, N_AXIS), _along(z2, N_AXIS), USE_PTX),
+            _plane_dequant(q3, _along(s3, N_AXIS), _along(z3, N_AXIS), USE_PTX),
+            _plane_dequant(q4, _along(s4, N_AXIS), _along(z4, N_AXIS), USE_PTX),
+            _plane_dequant(q5, _along(s5, N_AXIS), _along(z5, N_AXIS), USE_PTX),
+            _plane_dequant(q6, _along(s6, N_AXIS), _along(z6, N_AXIS), USE_PTX),
+            _plane_dequant(q7, _along(s7, N_AXIS), _along(z7, N_AXIS), USE_PTX))
 
 
 @triton.jit
@@ -224,26 +269,17 @@ def _plane_dequant(q, s, z, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def _grouped_planes(w, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, like,
-                    PLANE_GROUPS: tl.constexpr, USE_PTX: tl.constexpr):
-    """The 8 nibble planes of word tile w, each dequantized with its own groups."""
+def _grouped_planes(w, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, like, USE_PTX: tl.constexpr):
+    """The 8 nibble planes of word tile w, dequantized with a group per element."""
     q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, like, False, USE_PTX)
-    return (_grouped_plane(q0, 0, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX),
-            _grouped_plane(q1, 1, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX),
-            _grouped_plane(q2, 2, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX),
-            _grouped_plane(q3, 3, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX),
-            _grouped_plane(q4, 4, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX),
-            _grouped_plane(q5, 5, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX),
-            _grouped_plane(q6, 6, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX),
-            _grouped_plane(q7, 7, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, PLANE_GROUPS,
-                           USE_PTX))
+    return (_grouped_plane(q0, 0, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX),
+            _grouped_plane(q1, 1, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX),
+            _grouped_plane(q2, 2, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX),
+            _grouped_plane(q3, 3, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX),
+            _grouped_plane(q4, 4, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX),
+            _grouped_plane(q5, 5, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX),
+            _grouped_plane(q6, 6, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX),
+            _grouped_plane(q7, 7, k0, i_idx, n_idx, rows_in_tile, s_ptr, z_ptr, N, K, group_size, USE_PTX))
 
 
 @triton.jit
@@ -350,10 +386,13 @@ def _decode_kernel(
             s_next, z_next = _tile_group(s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), N, group_size, n_safe)
         if MODE == FACTORED:
             q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, xt, False, USE_PTX)
+        elif MODE == GROUPED and PLANE_GROUPS:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _plane_group_planes(
+                w, _plane_tile(s_ptr, k0, rows_in_tile, offs_n, N, group_size),
+                _plane_tile(z_ptr, k0, rows_in_tile, offs_n, N, group_size), xt, 0, USE_PTX)
         elif MODE == GROUPED:
             q0, q1, q2, q3, q4, q5, q6, q7 = _grouped_planes(
-                w, k0, offs_i[None, :], n_safe[:, None], rows_in_tile, s_ptr, z_ptr, N, K, group_size, xt,
-                PLANE_GROUPS, USE_PTX)
+                w, k0, offs_i[None, :], n_safe[:, None], rows_in_tile, s_ptr, z_ptr, N, K, group_size, xt, USE_PTX)
         else:
             if MODE == CENTERED:  # (bias + q) * 1 - z: exact for integer zero points
                 s2 = tl.full((BLOCK_N, 16), 1.0, dtype)
@@ -404,7 +443,7 @@ def _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, offs_n, N, K, group_size, 
     Scales and zeros are loaded as 2-D tiles, masked rather than clamped (a clamp hides the columns' contiguity):
     only then are they wide enough for Triton's cp.async pipeline when this runs in a loop (a synchronous load per
     step cost the input-gradient kernel up to 1.7x at M = 1 on the H200). A whole-tile group loads a
-    [16, BLOCK_N] tile of equal rows, per-plane groups an [8, BLOCK_N] tile split into its rows."""
+    [16, BLOCK_N] tile of equal rows, per-plane groups a [BLOCK_N, 8] tile split into its columns."""
     offs_i = tl.arange(0, 16)
     n_mask = offs_n < N
     if TILE_GROUPS:
@@ -414,35 +453,11 @@ def _weight_planes(w, k0, rows_in_tile, s_ptr, z_ptr, offs_n, N, K, group_size, 
         nzs = (-(tl.load(z_ptr + offs, mask=n_mask[None, :], other=0.0).to(tl.float32) * s.to(tl.float32)))
         return _nibbles8(w, s, nzs.to(like.dtype), like, True, USE_PTX)
     elif PLANE_GROUPS:
-        offs = ((k0 + rows_in_tile * tl.arange(0, 8)) // group_size)[:, None] * N + offs_n[None, :]
-        s0, s1, s2, s3, s4, s5, s6, s7 = _rows8(tl.load(s_ptr + offs, mask=n_mask[None, :], other=0.0))
-        z0, z1, z2, z3, z4, z5, z6, z7 = _rows8(tl.load(z_ptr + offs, mask=n_mask[None, :], other=0.0))
-        q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, like, False, USE_PTX)
-        return (_plane_dequant(q0, s0[None, :], z0[None, :], USE_PTX),
-                _plane_dequant(q1, s1[None, :], z1[None, :], USE_PTX),
-                _plane_dequant(q2, s2[None, :], z2[None, :], USE_PTX),
-                _plane_dequant(q3, s3[None, :], z3[None, :], USE_PTX),
-                _plane_dequant(q4, s4[None, :], z4[None, :], USE_PTX),
-                _plane_dequant(q5, s5[None, :], z5[None, :], USE_PTX),
-                _plane_dequant(q6, s6[None, :], z6[None, :], USE_PTX),
-                _plane_dequant(q7, s7[None, :], z7[None, :], USE_PTX))
+        return _plane_group_planes(w, _plane_tile(s_ptr, k0, rows_in_tile, offs_n, N, group_size),
+                                   _plane_tile(z_ptr, k0, rows_in_tile, offs_n, N, group_size), like, 1, USE_PTX)
     else:
         return _grouped_planes(w, k0, offs_i[:, None], tl.minimum(offs_n, N - 1)[None, :], rows_in_tile, s_ptr,
-                               z_ptr, N, K, group_size, like, PLANE_GROUPS, USE_PTX)
-
-
-@triton.jit
-def _rows8(t):
-    """The 8 rows of an [8, C] tile as [C] vectors (row j = 4 a + 2 b + c: three splits of the last axis)."""
-    t = tl.reshape(tl.permute(t, (1, 0)), (t.shape[1], 2, 2, 2))
-    e, o = tl.split(t)
-    ee, eo = tl.split(e)
-    oe, oo = tl.split(o)
-    r0, r4 = tl.split(ee)
-    r2, r6 = tl.split(eo)
-    r1, r5 = tl.split(oe)
-    r3, r7 = tl.split(oo)
-    return r0, r1, r2, r3, r4, r5, r6, r7
+                               z_ptr, N, K, group_size, like, USE_PTX)
 
 
 @triton.jit
