@@ -246,9 +246,9 @@ def sweep(apply=True):
                 total = 0.0
                 for causal in causals:
                     q, k, v = _inputs(b, s, s, h, h, d)
+                    fa.CONFIG_OVERRIDE.clear()  # the default forward (the last candidate may not fit this d)
                     o, lse = fa.flash_attention_forward(q, k, v, causal=causal)
                     do = torch.randn_like(o)
-                    fa.CONFIG_OVERRIDE.clear()
                     fa.CONFIG_OVERRIDE[kind] = cfg
                     try:
                         if kind == "fwd":
@@ -405,6 +405,7 @@ def main():
     ap.add_argument("--decode-only", action="store_true",
                     help="re-check and re-time decode only, updating the existing JSON's decode figures")
     ap.add_argument("--quick", action="store_true", help="hd128 only, fewer sequence lengths")
+    ap.add_argument("--head-dims", type=int, nargs="*", help="only these head dims' cases (no decode)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention.json"))
     ap.add_argument("--plot", metavar="JSON")
@@ -465,14 +466,17 @@ def main():
             seqs = {128: (2048, 8192)}
         else:
             seqs = {64: (1024, 4096, 16384), 128: (1024, 2048, 4096, 8192, 16384), 256: (1024, 4096, 16384)}
+        if args.head_dims:
+            seqs = {d: seqs[d] for d in args.head_dims}
         result["cases"] = []
         for d in seqs:
             result["cases"] += run_all((d,), seqs, ("sdpa_flash", "sdpa_cudnn", "flex"), flex_cases={(128, 4096)})
             save()
         _log(f"[{time.time() - t0:.0f}s] cases done")
-        result["decode"] = run_decode()
-        save()
-        _log(f"[{time.time() - t0:.0f}s] decode done")
+        if not args.head_dims:
+            result["decode"] = run_decode()
+            save()
+            _log(f"[{time.time() - t0:.0f}s] decode done")
     _log("\n==== summary (TFLOP/s, bf16; ratio = ours / peer) ====")
     for r in result.get("cases", []):
         _log(_fmt_row(r))

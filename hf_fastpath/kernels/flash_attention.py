@@ -605,10 +605,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES,
 _FWD_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3),
                 256: (128, 64, 8, 2)}
 _FWD_DECODE_CONFIG = (16, 128, 4, 3)  # few query rows: memory bound, keys split across programs
+# hd256 backward (session 5 sweep, H200, benchmarks/results/attention_hd256_s5.json): (64, 32, 4, 2) for both
+# kernels, 1.14x (dK/dV) and 1.27x (dQ) faster than the session-1 choices, which spilled 0.8-1.6 KB per thread.
 _DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
-                 256: (32, 64, 8, 2)}
+                 256: (64, 32, 4, 2)}
 _DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3),
-               256: (64, 64, 8, 1)}
+               256: (64, 32, 4, 2)}
 _INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tiny test shape, quick to interpret
 
 # Benchmarks/tests may pin configs: {"fwd": (BM, BN, warps, stages), "dkdv": ..., "dq": ...}.
