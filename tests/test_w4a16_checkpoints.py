@@ -251,3 +251,21 @@ def test_model_quantized_in_place_saves_standard_awq(tmp_path):
     assert torch.equal(down_again.dequantize(), down.dequantize())
     # (eager attention here, SDPA in the reloaded model: equal up to rounding)
     torch.testing.assert_close(logits(reloaded, ids, mask), logits(model, ids, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_model_forward_compiles_in_one_graph():
+    """A quantized Llama's forward compiles with fullgraph=True (what generate() with a static cache asks for) and
+    gives the eager logits; the quantizer reports the model as compileable."""
+    from hf_fastpath.quantization import W4A16Config, w4a16_backend
+    from hf_fastpath.quantization.calibrate import quantize_model
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", dtype=torch.float16)
+    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
+    ids, _ = random_batch(batch=1, seq=8)
+    with w4a16_backend("kernel"), torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+        logits = compiled(input_ids=ids).logits
+    torch.testing.assert_close(logits, eager, rtol=0, atol=0)
+    assert transformers_quantizer.W4A16Quantizer(W4A16Config()).is_compileable

@@ -268,3 +268,20 @@ def test_linear_kernels_match_reference(dtype, m, act_order):
     tol = 1e-2 if dtype == torch.float16 else 4e-2
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     torch.testing.assert_close(x.grad.double(), dx_ref, rtol=tol, atol=tol * dx_ref.abs().max().item())
+
+
+def test_linear_compiles_without_graph_breaks():
+    """torch.compile sees the kernels as opaque ops (fullgraph: no graph break in the launch code), with the same
+    forward and input gradient as eager, act-order included."""
+    torch._dynamo.reset()
+    weight = random_weight(256, 40, 4, 64, act_order=True, seed=5)
+    layer = W4A16Linear.from_quantized(*weight, bias=torch.randn(40), bits=4, group_size=64, dtype=torch.float16)
+    x = torch.randn(3, 256, dtype=torch.float16, requires_grad=True)
+    with w4a16_backend("kernel"):
+        y_eager = layer(x)
+        (dx_eager,) = torch.autograd.grad(y_eager.float().square().sum(), x)
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        y = compiled(x)
+        (dx,) = torch.autograd.grad(y.float().square().sum(), x)
+    torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dx_eager, rtol=0, atol=0)

@@ -158,6 +158,13 @@ def test_split_k_and_split_n_accumulate(dtype):
         # The last split of each tile leaves the shared workspace and tickets zeroed for the next call.
         ws, count = _split_workspace(x.device, 1, 1)
         assert not ws.any() and not count.any()
+    # A per-call workspace (torch.compile's CUDA-graph pools) gives the same sums and leaves the cache alone.
+    import hf_fastpath.kernels.w4a16 as kernels
+
+    cached = dict(kernels._WORKSPACES)
+    fresh = torch.empty(m, 72, dtype=dtype)
+    _decode_matmul(x, qweight, scales, z, 128, fresh, split_k=4, cache_workspace=False)
+    assert torch.equal(fresh, out) and kernels._WORKSPACES.keys() == cached.keys()
     # An output with a row stride wider than N (a view into a bigger buffer) is written only where it belongs.
     big = torch.full((3, 100), 7.0, dtype=dtype)
     _decode_matmul(x, qweight, scales, z, 128, big[:, :72], split_k=2)

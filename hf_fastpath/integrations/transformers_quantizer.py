@@ -342,6 +342,12 @@ class W4A16Quantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return True
 
+    @property
+    def is_compileable(self) -> bool:
+        # the kernels are registered torch ops (hf_fastpath::w4a16_matmul): generate() with a static cache may
+        # compile the forward (fullgraph, CUDA graphs)
+        return True
+
 
 def _wants_gptqmodel(config) -> bool:
     choice = os.environ.get(BACKEND_ENV, "").strip().lower()

@@ -628,6 +628,10 @@ _NUM_SMS: dict = {}
 _PTX_OK: dict = {}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a Triton function object: several microseconds per call from Python
+
+
 def _num_sms(device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: fewest programs
@@ -640,10 +644,14 @@ def _num_sms(device) -> int:
 _WORKSPACES: dict = {}
 
 
-def _split_workspace(device, n_values: int, n_tiles: int):
+def _split_workspace(device, n_values: int, n_tiles: int, cached: bool = True):
     """(fp32 partial sums, int32 tickets): zeroed once, left zeroed by every split-K launch (its last program per
     tile cleans up), so decode needs no memset and no cast kernel per call. One per (device, stream): launches on
-    one stream run in order. Two CUDA graphs captured on the same stream must not be replayed concurrently."""
+    one stream run in order. Two CUDA graphs captured on the same stream must not be replayed concurrently.
+    cached=False: fresh zeroed tensors for this call only."""
+    if not cached:
+        return (torch.zeros(n_values, device=device, dtype=torch.float32),
+                torch.zeros(n_tiles, device=device, dtype=torch.int32))
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     ws, count = _WORKSPACES.get(key, (None, None))
     if ws is None or ws.numel() < n_values or count.numel() < n_tiles:
@@ -651,6 +659,8 @@ def _split_workspace(device, n_values: int, n_tiles: int):
         ws = torch.zeros(grow, device=device, dtype=torch.float32)
         count = torch.zeros(max(n_tiles, 2 * count.numel() if count is not None else 0, 1024), device=device,
                             dtype=torch.int32)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return ws, count  # memory of the graph being captured (its replays re-zero it): never cached
         _WORKSPACES[key] = (ws, count)
     return ws, count
 
@@ -732,23 +742,23 @@ def _plane_groups(group_size: int, k: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None):
+def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, cache_workspace=True):
     m, k = x2.shape
     n = qweight.shape[1]
     interpret = _interpreting()
     tile_groups = _tile_groups(group_size, k)
     cfg = cfg or _decode_config(m, interpret, tile_groups, _plane_groups(group_size, k))
     mode = MODES[cfg["mode"]] if tile_groups else MODES["grouped"]
-    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
-    k_steps = triton.cdiv(k, _BLOCK_K)
+    n_tiles = _cdiv(n, cfg["BLOCK_N"])
+    m_tiles = _cdiv(m, cfg["BLOCK_M"])
+    k_steps = _cdiv(k, _BLOCK_K)
     if split_k is None:
         split_k = _splits(n_tiles * m_tiles, k_steps, _num_sms(x2.device), min_steps=1, per_sm=cfg.get("per_sm", 1))
-    per_split = triton.cdiv(k_steps, split_k)
-    split_k = triton.cdiv(k_steps, per_split)
+    per_split = _cdiv(k_steps, split_k)
+    split_k = _cdiv(k_steps, per_split)
     ws = count = out  # unused without split-K
     if split_k > 1:
-        ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, n_tiles * m_tiles)
+        ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, n_tiles * m_tiles, cache_workspace)
     _decode_kernel[(m_tiles, split_k, n_tiles)](
         x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
         split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MODE=mode,
@@ -766,13 +776,13 @@ def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, sp
         # One warp per program: with a 16-row output tile more warps would only replicate the unpacking.
         cfg = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1) if interpret else \
             dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=64, num_warps=1, num_stages=4)
-    k_tiles = triton.cdiv(k, _BLOCK_K)
-    m_tiles = triton.cdiv(m, cfg["BLOCK_M"])
-    n_steps = triton.cdiv(n, cfg["BLOCK_N"])
+    k_tiles = _cdiv(k, _BLOCK_K)
+    m_tiles = _cdiv(m, cfg["BLOCK_M"])
+    n_steps = _cdiv(n, cfg["BLOCK_N"])
     if split_n is None:
         split_n = _splits(k_tiles * m_tiles, n_steps, _num_sms(dy2.device), min_steps=4, per_sm=8)
-    per_split = triton.cdiv(n_steps, split_n)
-    split_n = triton.cdiv(n_steps, per_split)
+    per_split = _cdiv(n_steps, split_n)
+    split_n = _cdiv(n_steps, per_split)
     target = dx if split_n == 1 else torch.zeros((m, k), device=dy2.device, dtype=torch.float32)
     _decode_grad_kernel[(k_tiles, split_n, m_tiles)](
         dy2, qweight, scales, zeros, target, m, n, k, dy2.stride(0), target.stride(0), group_size, per_split,
@@ -791,7 +801,7 @@ def _dequantize(qweight, scales, zeros, group_size, dtype, use_ptx=None):
     block_n, warps = (64, 4) if _interpreting() else (256, 8)
     if use_ptx is None:
         use_ptx = _use_ptx(qweight.device, dtype)
-    grid = (triton.cdiv(k, _BLOCK_K), triton.cdiv(n, block_n))
+    grid = (_cdiv(k, _BLOCK_K), _cdiv(n, block_n))
     _dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n,
                           TILE_GROUPS=_tile_groups(group_size, k), PLANE_GROUPS=_plane_groups(group_size, k),
                           EVEN_K=k % _BLOCK_K == 0, USE_PTX=use_ptx,
@@ -857,7 +867,7 @@ def w4a16_unpack(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
+                 group_size: int, *, cache_workspace: bool = True) -> torch.Tensor:
     """y = x @ W with W held as 4-bit words (layout in the module docstring).
 
     x: [..., K] float16/bfloat16 (contiguous last dim preferred); returns [..., N] in x's dtype.
@@ -865,6 +875,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     qweight is `w4a16_pack(codes)` (what W4A16Linear holds), not a GPTQ checkpoint's qweight.
     M (rows of x) <= DECODE_MAX_M runs the fused kernel; larger M dequantizes W into a temporary [K, N] tensor
     (K * N * 2 bytes) and calls cuBLAS, which measured faster there.
+    cache_workspace=False zeroes a fresh split-K workspace per call (two small memsets) instead of reusing the
+    cached, self-cleaning one: for callers whose allocations live in a CUDA-graph memory pool (torch.compile
+    mode="reduce-overhead"), where a cached tensor would outlive the pool's bookkeeping.
     """
     what = "w4a16_matmul"
     _check_activation(x, what, "x")
@@ -876,7 +889,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return torch.matmul(x2, _dequantize(qweight, scales, zeros, group_size, x.dtype)).reshape(*lead, n)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m > 0 and n > 0:
-        _decode_matmul(x2, qweight, scales, zeros, group_size, out)
+        _decode_matmul(x2, qweight, scales, zeros, group_size, out, cache_workspace=cache_workspace)
     return out.reshape(*lead, n)
 
 

@@ -93,6 +93,50 @@ class _W4A16MatmulFn(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+# The same two kernels as opaque torch ops, for torch.compile: the graph holds one node per layer (no graph break
+# in the launch code, which dynamo cannot trace) and CUDA graphs capture the launches ("reduce-overhead", static
+# cache decoding). Eager calls keep the autograd.Function: a custom op costs ~2x its dispatch overhead per call.
+@torch.library.custom_op("hf_fastpath::w4a16_matmul", mutates_args=())
+def _w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    # a fresh split-K workspace: under "reduce-overhead" every allocation belongs to a CUDA-graph pool, and a
+    # cached workspace allocated there (even in the eager warm-up run) would outlive the pool's bookkeeping
+    return _kernels().w4a16_matmul(x, qweight, scales, zeros, group_size, cache_workspace=False)
+
+
+@_w4a16_matmul_op.register_fake
+def _(x, qweight, scales, zeros, group_size):
+    return x.new_empty(x.shape[0], qweight.shape[1])
+
+
+@torch.library.custom_op("hf_fastpath::w4a16_matmul_grad_input", mutates_args=())
+def _w4a16_grad_input_op(dy: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         group_size: int) -> torch.Tensor:
+    return _kernels().w4a16_matmul_grad_input(dy, qweight, scales, zeros, group_size)
+
+
+@_w4a16_grad_input_op.register_fake
+def _(dy, qweight, scales, zeros, group_size):
+    return dy.new_empty(dy.shape[0], qweight.shape[0] * 8)
+
+
+def _op_setup_context(ctx, inputs, output):
+    _, qweight, scales, zeros, group_size = inputs
+    ctx.save_for_backward(qweight, scales, zeros)
+    ctx.group_size = group_size
+
+
+def _op_backward(ctx, dy):
+    qweight, scales, zeros = ctx.saved_tensors
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = _w4a16_grad_input_op(dy.contiguous(), qweight, scales, zeros, ctx.group_size)
+    return dx, None, None, None, None
+
+
+_w4a16_matmul_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
 class W4A16Linear(nn.Module):
     """Frozen low-bit weight-only linear layer; see the module docstring for its buffers and state_dict."""
 
@@ -325,7 +369,13 @@ class W4A16Linear(nn.Module):
             scales, zeros = self.scales, self.zeros
             if scales.dtype != x2.dtype:
                 scales, zeros = scales.to(x2.dtype), zeros.to(x2.dtype)
-            y = _W4A16MatmulFn.apply(x2.contiguous(), self.qweight, scales, zeros, self._effective_group_size)
+            args = (x2.contiguous(), self.qweight, scales, zeros, self._effective_group_size)
+            if torch.compiler.is_compiling():
+                y = _w4a16_matmul_op(*args)
+            elif x2.requires_grad and torch.is_grad_enabled():
+                y = _W4A16MatmulFn.apply(*args)
+            else:  # inference: skip autograd's bookkeeping (host time per call matters when decoding)
+                y = _kernels().w4a16_matmul(*args)
         else:
             y = x2 @ self._dequantize_sorted(x2.dtype)
         if self.bias is not None:
