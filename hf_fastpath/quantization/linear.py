@@ -17,7 +17,9 @@ tensors as they are on disk until `finish_loading()` converts them.
 read `.weight`); it holds no data, so nothing can overwrite the quantized weight through it.
 
 Compute: on CUDA with 4-bit codes and fp16/bf16 activations the Triton kernels in `hf_fastpath.kernels.w4a16` run
-(forward `w4a16_matmul`, backward dx = dy @ W^T via `w4a16_matmul_grad_input`; the weight is frozen). Everything else
+(forward `w4a16_matmul`, backward dx = dy @ W^T via `w4a16_matmul_grad_input`; the weight is frozen), as the torch ops
+`hf_fastpath::w4a16_matmul` / `hf_fastpath::w4a16_matmul_grad_input` when autograd or torch.compile needs them
+(fullgraph-compilable: generate() with a static cache). Everything else
 (CPU, fp32 activations, 2/3/8 bits, a group size that does not divide K) dequantizes and uses a plain matmul.
 `w4a16_backend("kernel")` forces the kernels (on CPU tensors this needs TRITON_INTERPRET=1: tests),
 `w4a16_backend("reference")` forces the dequantize path.
@@ -75,27 +77,10 @@ def _kernels():
     return _kernel_module
 
 
-class _W4A16MatmulFn(torch.autograd.Function):
-    """y = x @ W with the Triton kernels; dx = dy @ W^T. The quantized weight gets no gradient."""
-
-    @staticmethod
-    def forward(ctx, x, qweight, scales, zeros, group_size):
-        ctx.save_for_backward(qweight, scales, zeros)
-        ctx.group_size = group_size
-        return _kernels().w4a16_matmul(x, qweight, scales, zeros, group_size)
-
-    @staticmethod
-    def backward(ctx, dy):
-        qweight, scales, zeros = ctx.saved_tensors
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = _kernels().w4a16_matmul_grad_input(dy.contiguous(), qweight, scales, zeros, ctx.group_size)
-        return dx, None, None, None, None
-
-
-# The same two kernels as opaque torch ops, for torch.compile: the graph holds one node per layer (no graph break
-# in the launch code, which dynamo cannot trace) and CUDA graphs capture the launches ("reduce-overhead", static
-# cache decoding). Eager calls keep the autograd.Function: a custom op costs ~2x its dispatch overhead per call.
+# The kernels as torch ops with autograd (dx = dy @ W^T; the quantized weight gets no gradient). Under torch.compile
+# the graph holds one opaque node per layer (dynamo cannot trace the launch code) and CUDA graphs capture the
+# launches ("reduce-overhead", static-cache decoding). Inference calls skip the op: its dispatch costs more host
+# time per call than the launch itself.
 @torch.library.custom_op("hf_fastpath::w4a16_matmul", mutates_args=())
 def _w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int) -> torch.Tensor:
@@ -370,11 +355,9 @@ class W4A16Linear(nn.Module):
             if scales.dtype != x2.dtype:
                 scales, zeros = scales.to(x2.dtype), zeros.to(x2.dtype)
             args = (x2.contiguous(), self.qweight, scales, zeros, self._effective_group_size)
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or (x2.requires_grad and torch.is_grad_enabled()):
                 y = _w4a16_matmul_op(*args)
-            elif x2.requires_grad and torch.is_grad_enabled():
-                y = _W4A16MatmulFn.apply(*args)
-            else:  # inference: skip autograd's bookkeeping (host time per call matters when decoding)
+            else:  # eager inference: host time per call matters when decoding
                 y = _kernels().w4a16_matmul(*args)
         else:
             y = x2 @ self._dequantize_sorted(x2.dtype)
