@@ -21,9 +21,10 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     with a fence and a wait. The tile-major storage keeps the weight copy 16 bytes wide: the operand wants 4
     consecutive word rows per thread, which the GPTQ [K / 8, N] order spreads N words apart (4-byte copies, M = 1
     2.7x slower on the H200).
-  * Every load in the K loop is wide enough for Triton's cp.async pipeline, except the per-tile scales/zeros,
-    which are prefetched one tile ahead by hand: synchronous loads inside the loop held the first version at
-    ~1 TB/s.
+  * Every load in the K loop is wide enough for Triton's cp.async pipeline (>= 4 bytes per thread, contiguity
+    not hidden by a clamp): per-plane scales load as one masked [BLOCK_N, 8] tile split in registers, the
+    input gradient's as 2-D tiles; the per-tile scales/zeros of the forward, [BLOCK_N] vectors, are prefetched one
+    tile ahead by hand. Synchronous loads inside the loop held the first version at ~1 TB/s.
   * The unpack is a few PTX instructions per *pair* of words: PRMT pairs two words' halves, and one LOP3 turns a
     nibble pair into two fp16/bf16 "magic" numbers (bias + q, bias = 1024 fp16 / 128 bf16), ~1 instruction per
     weight instead of shift + int-to-float convert + scale per weight.
@@ -40,10 +41,11 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     and the registers shrink (mma.sync, 128 registers instead of wgmma's 227 at 16 rows: twice the resident warps).
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
-Status (H200, benchmarks/results/w4a16.json, 2026-11-29, session 4): over cuBLAS bf16 on Llama-3 8B/70B shapes,
-M = 1 1.92-2.47x (1.2-2.8 TB/s of weight traffic; 0.95-1.44x torch's int4 tinygemm), M = 8 1.63-2.49x, M = 16
-1.49-1.89x, M = 32 1.12-1.68x, M = 64 0.91-1.51x. The loop is ~2.0-2.2 SASS instructions per weight at M <= 8
-(Triton 3.6, sm_90): the nibble unpack alone is ~1.1, so beyond ~3.5 TB/s the instruction issue itself would bind.
+Status (H200, benchmarks/results/w4a16.json, 2026-11-29, session 5): over cuBLAS bf16 on Llama-3 8B/70B shapes,
+M = 1 1.94-2.52x (1.3-2.9 TB/s of weight traffic; 0.96-1.45x torch's int4 tinygemm), M = 8 1.63-2.48x, M = 16
+1.52-2.03x, M = 32 1.14-1.70x, M = 64 0.90-1.51x; group 32: M = 1 1.46-1.88x, M = 64 0.80-1.29x. The loop is
+~2.0-2.2 SASS instructions per weight at M <= 8 (Triton 3.6, sm_90): the nibble unpack alone is ~1.1, so beyond
+~3.5 TB/s the instruction issue itself would bind.
 """
 
 from __future__ import annotations
