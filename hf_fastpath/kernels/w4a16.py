@@ -50,6 +50,7 @@ M = 1 1.94-2.52x (1.3-2.9 TB/s of weight traffic; 0.96-1.45x torch's int4 tinyge
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -744,29 +745,42 @@ def _plane_groups(group_size: int, k: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, cache_workspace=True):
-    m, k = x2.shape
-    n = qweight.shape[1]
-    interpret = _interpreting()
+def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret: bool, cfg=None, split_k=None):
+    """(grid, tiles_per_split, n_splits, output tiles, launch keywords) of the fused forward: pure host arithmetic,
+    cached for the default configs (`_default_decode_plan`) because decoding launches the same few shapes
+    thousands of times and its host time per call shows."""
     tile_groups = _tile_groups(group_size, k)
-    cfg = cfg or _decode_config(m, interpret, tile_groups, _plane_groups(group_size, k))
-    mode = MODES[cfg["mode"]] if tile_groups else MODES["grouped"]
+    plane_groups = _plane_groups(group_size, k)
+    cfg = cfg or _decode_config(m, interpret, tile_groups, plane_groups)
     n_tiles = _cdiv(n, cfg["BLOCK_N"])
     m_tiles = _cdiv(m, cfg["BLOCK_M"])
     k_steps = _cdiv(k, _BLOCK_K)
     if split_k is None:
-        split_k = _splits(n_tiles * m_tiles, k_steps, _num_sms(x2.device), min_steps=1, per_sm=cfg.get("per_sm", 1))
+        split_k = _splits(n_tiles * m_tiles, k_steps, n_sms, min_steps=1, per_sm=cfg.get("per_sm", 1))
     per_split = _cdiv(k_steps, split_k)
     split_k = _cdiv(k_steps, per_split)
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                MODE=MODES[cfg["mode"]] if tile_groups else MODES["grouped"], PLANE_GROUPS=plane_groups,
+                EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, FP32_DOT=interpret,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return (m_tiles, split_k, n_tiles), per_split, split_k, n_tiles * m_tiles, meta
+
+
+_default_decode_plan = functools.lru_cache(maxsize=4096)(_decode_plan)
+
+
+def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, cache_workspace=True):
+    m, k = x2.shape
+    n = qweight.shape[1]
+    plan = _decode_plan if cfg is not None or split_k is not None else _default_decode_plan
+    grid, per_split, split_k, tiles, meta = plan(m, k, n, group_size, _num_sms(x2.device), _interpreting(), cfg,
+                                                 split_k)
     ws = count = out  # unused without split-K
     if split_k > 1:
-        ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, n_tiles * m_tiles, cache_workspace)
-    _decode_kernel[(m_tiles, split_k, n_tiles)](
+        ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, tiles, cache_workspace)
+    _decode_kernel[grid](
         x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
-        split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MODE=mode,
-        PLANE_GROUPS=_plane_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0,
-        EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, USE_PTX=_use_ptx(x2.device, x2.dtype), FP32_DOT=interpret,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        split_k, USE_PTX=_use_ptx(x2.device, x2.dtype), **meta)
     return out
 
 
