@@ -38,6 +38,21 @@ def tokens_per_s(model, ids, new_tokens, **kw):
     return new_tokens / (time.perf_counter() - t0)
 
 
+def host_time_per_call(layer, x, calls=500):
+    """(host µs per call without waiting for the GPU, wall µs per call): eager decoding is host-bound when the first
+    is close to the second."""
+    with torch.no_grad():
+        for _ in range(50):
+            layer(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            layer(x)
+        host = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        return host, (time.perf_counter() - t0) / calls * 1e6
+
+
 def run(args):
     import transformers
 
@@ -79,6 +94,13 @@ def run(args):
     torch.cuda.empty_cache()
     with torch.no_grad():
         eager_logits = model(ids).logits.float()
+    mlp = model.model.layers[0].mlp
+    x1 = torch.randn(1, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ref_linear = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False, device="cuda",
+                                 dtype=torch.bfloat16)
+    res["host_us_per_call_M1"] = {name: dict(zip(("host", "wall"), host_time_per_call(layer, x1)))
+                                  for name, layer in (("w4a16_gate_proj", mlp.gate_proj), ("bf16_nn_linear", ref_linear))}
+    log("host time per call (M=1, 4096 -> 14336):", res["host_us_per_call_M1"])
     variant("w4a16_eager", lambda: tokens_per_s(model, ids, args.new_tokens))
     variant("w4a16_static_compiled", lambda: compiled(model))
     try:
