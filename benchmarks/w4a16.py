@@ -6,6 +6,7 @@
 
 Timing: every call is captured in a CUDA graph (no launch overhead), cycling through enough copies of the weights
 that they do not fit in L2 (50 MB on an H200), so the figures are what a decode step sees. Median of 7 replays.
+At M = 1 also eager back-to-back calls (`ours_eager_us`, `cublas_bf16_eager_us`): host time per call included.
 Shapes: Llama-3 8B / 70B linears, group size 128, bf16 activations, random asymmetric 4-bit weights.
 """
 
@@ -130,6 +131,18 @@ def time_graph(fns, target_ms=3.0, replays=7):
         times.append(a.elapsed_time(b) * 1e3 / calls)
     del graph
     return statistics.median(times)
+
+
+def time_eager(fns, calls=400):
+    """µs per call of back-to-back eager calls (no CUDA graph): what an eager decode step pays, host time included."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def copy_bandwidth():
@@ -277,6 +290,9 @@ def run_main(args):
                 [lambda q=q: K.w4a16_matmul_grad_input(dy, *q, GROUP) for q in layer.quant])
             row["dequant_cublas_grad_input_us"] = time_graph(
                 [lambda q=q: dy @ K.w4a16_dequantize(*q, GROUP).t() for q in layer.quant])
+            if m == 1:  # host-bound without CUDA graphs? (eager decoding)
+                row["ours_eager_us"] = time_eager([lambda q=q: K.w4a16_matmul(x, *q, GROUP) for q in layer.quant])
+                row["cublas_bf16_eager_us"] = time_eager([lambda w=w: x @ w.t() for w in layer.w_bf16])
             row["speedup_vs_cublas"] = row["cublas_bf16_us"] / row["ours_us"]
             row["tinygemm_speedup_vs_cublas"] = row["cublas_bf16_us"] / row["tinygemm_us"]
             row["speedup_vs_tinygemm"] = row["tinygemm_us"] / row["ours_us"]
