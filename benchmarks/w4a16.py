@@ -32,21 +32,10 @@ GROUP = 128
 L2_BYTES = 50 * 2**20
 
 
-_KERNELS = []
-
-
 def load_kernels():
-    """The kernel module by path: benchmarks must not depend on the rest of the package importing cleanly."""
-    if _KERNELS:
-        return _KERNELS[0]
-    import importlib.util
+    from hf_fastpath.kernels import w4a16
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "kernels", "w4a16.py")
-    spec = importlib.util.spec_from_file_location("hf_fastpath_w4a16_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    _KERNELS.append(mod)
-    return mod
+    return w4a16
 
 
 def log(*a):

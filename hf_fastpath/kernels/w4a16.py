@@ -58,7 +58,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["w4a16_matmul", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack", "w4a16_unpack",
+from .launch import LaunchCache
+
+__all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack", "w4a16_unpack",
            "k_tile_order"]
 
 logger = logging.getLogger(__name__)
@@ -69,8 +71,11 @@ GRAD_DECODE_MAX_M = 16  # grad_input: the fused kernel only wins for very few ro
 _BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: the minimum tensor-core K)
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does when it decorates a kernel
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -647,6 +652,13 @@ def _num_sms(device) -> int:
 _WORKSPACES: dict = {}
 
 
+def _stream_key(device) -> int:
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.get_current_stream(idx)  # torch.cuda.current_stream(): ~8 µs per call
+
+
 def _split_workspace(device, n_values: int, n_tiles: int, cached: bool = True):
     """(fp32 partial sums, int32 tickets): zeroed once, left zeroed by every split-K launch (its last program per
     tile cleans up), so decode needs no memset and no cast kernel per call. One per (device, stream): launches on
@@ -655,7 +667,7 @@ def _split_workspace(device, n_values: int, n_tiles: int, cached: bool = True):
     if not cached:
         return (torch.zeros(n_values, device=device, dtype=torch.float32),
                 torch.zeros(n_tiles, device=device, dtype=torch.int32))
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    key = (device, _stream_key(device))
     ws, count = _WORKSPACES.get(key, (None, None))
     if ws is None or ws.numel() < n_values or count.numel() < n_tiles:
         grow = max(n_values, 2 * ws.numel() if ws is not None else 0)
@@ -745,10 +757,11 @@ def _plane_groups(group_size: int, k: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret: bool, cfg=None, split_k=None):
-    """(grid, tiles_per_split, n_splits, output tiles, launch keywords) of the fused forward: pure host arithmetic,
-    cached for the default configs (`_default_decode_plan`) because decoding launches the same few shapes
-    thousands of times and its host time per call shows."""
+def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret: bool, use_ptx: bool, cfg=None,
+                 split_k=None):
+    """(grid, tiles_per_split, n_splits, output tiles, constexprs and launch options) of the fused forward: pure
+    host arithmetic, cached for the default configs (`_default_decode_plan`) because decoding launches the same few
+    shapes thousands of times and its host time per call shows."""
     tile_groups = _tile_groups(group_size, k)
     plane_groups = _plane_groups(group_size, k)
     cfg = cfg or _decode_config(m, interpret, tile_groups, plane_groups)
@@ -761,26 +774,32 @@ def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret:
     split_k = _cdiv(k_steps, per_split)
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 MODE=MODES[cfg["mode"]] if tile_groups else MODES["grouped"], PLANE_GROUPS=plane_groups,
-                EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, FP32_DOT=interpret,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, USE_PTX=use_ptx,
+                FP32_DOT=interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (m_tiles, split_k, n_tiles), per_split, split_k, n_tiles * m_tiles, meta
 
 
 _default_decode_plan = functools.lru_cache(maxsize=4096)(_decode_plan)
+_DECODE_LAUNCH = LaunchCache(_decode_kernel)
 
 
 def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, cache_workspace=True):
     m, k = x2.shape
     n = qweight.shape[1]
-    plan = _decode_plan if cfg is not None or split_k is not None else _default_decode_plan
-    grid, per_split, split_k, tiles, meta = plan(m, k, n, group_size, _num_sms(x2.device), _interpreting(), cfg,
-                                                 split_k)
+    device = x2.device
+    plan_args = (m, k, n, group_size, _num_sms(device), _interpreting(), _use_ptx(device, x2.dtype))
+    custom = cfg is not None or split_k is not None
+    grid, per_split, split_k, tiles, meta = (_decode_plan(*plan_args, cfg, split_k) if custom
+                                             else _default_decode_plan(*plan_args))
     ws = count = out  # unused without split-K
     if split_k > 1:
-        ws, count = _split_workspace(x2.device, (m - 1) * out.stride(0) + n, tiles, cache_workspace)
-    _decode_kernel[grid](
-        x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
-        split_k, USE_PTX=_use_ptx(x2.device, x2.dtype), **meta)
+        ws, count = _split_workspace(device, (m - 1) * out.stride(0) + n, tiles, cache_workspace)
+    args = (x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
+            split_k)
+    if custom:
+        _decode_kernel[grid](*args, **meta)
+    else:  # plan_args determine meta
+        _DECODE_LAUNCH.launch(grid, args, meta, plan_args)
     return out
 
 
@@ -899,14 +918,25 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _check_activation(x, what, "x")
     k, n, group_size = _check_weights(qweight, scales, zeros, group_size, x.dtype, x.device, what)
     x2, lead = _as_rows(x, k, f"{what}: x", f"K = {k} (qweight.shape[0] * 8)")
+    y = w4a16_matmul_rows(x2, _contiguous(qweight), _contiguous(scales), _contiguous(zeros), group_size,
+                          cache_workspace=cache_workspace)
+    return y.reshape(*lead, n)
+
+
+def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, *, cache_workspace: bool = True) -> torch.Tensor:
+    """`w4a16_matmul` without its argument checks, for callers that validated the weights once (W4A16Linear at
+    load): x2 [M, K] with unit column stride, contiguous qweight/scales/zeros of x2's dtype and device,
+    group_size the effective one (K for a single group). Returns [M, N]. Decoding calls this once per linear per
+    token, so its host time per call is what eager generate() pays."""
     m = x2.shape[0]
-    qweight, scales, zeros = _contiguous(qweight), _contiguous(scales), _contiguous(zeros)
     if m > DECODE_MAX_M:
-        return torch.matmul(x2, _dequantize(qweight, scales, zeros, group_size, x.dtype)).reshape(*lead, n)
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        return torch.matmul(x2, _dequantize(qweight, scales, zeros, group_size, x2.dtype))
+    n = qweight.shape[1]
+    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     if m > 0 and n > 0:
         _decode_matmul(x2, qweight, scales, zeros, group_size, out, cache_workspace=cache_workspace)
-    return out.reshape(*lead, n)
+    return out
 
 
 def w4a16_matmul_grad_input(dy: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -151,6 +151,7 @@ class W4A16Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._effective_group_size = gs
+        self._kernel_route: dict = {}  # (dtype, device, backend) -> whether forward runs the Triton kernels
         self.checkpoint_specs()  # raises now if the sizes cannot be stored in this format
         self._register_state_dict_hook(_state_dict_to_checkpoint)
         self._register_load_state_dict_pre_hook(_load_checkpoint_state_dict, with_module=True)
@@ -340,32 +341,43 @@ class W4A16Linear(nn.Module):
     # ------------------------------------------------------------------------------------------------ compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Eager decoding runs this once per linear and token and is host-bound, so the hot path avoids
+        # nn.Module.__getattr__ (~1-2 µs per buffer) and rechecking what was checked at load.
         self._check_loaded()
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W4A16Linear expects inputs with last dimension {self.in_features}, got {tuple(x.shape)}")
+        buffers = self._buffers
         lead = x.shape[:-1]
-        device_type = x.device.type
-        if x.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-            x = x.to(torch.get_autocast_dtype(device_type))  # a custom kernel does not get autocast by itself
+        if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # a custom kernel does not get autocast by itself
         x2 = x.reshape(-1, self.in_features)
-        if self.perm is not None:
-            x2 = x2.index_select(1, self.perm)  # autograd scatters dx back
+        perm = buffers["perm"]
+        if perm is not None:
+            x2 = x2.index_select(1, perm)  # autograd scatters dx back
         if self._use_kernel(x2):
-            scales, zeros = self.scales, self.zeros
+            scales, zeros = buffers["scales"], buffers["zeros"]
             if scales.dtype != x2.dtype:
                 scales, zeros = scales.to(x2.dtype), zeros.to(x2.dtype)
-            args = (x2.contiguous(), self.qweight, scales, zeros, self._effective_group_size)
+            args = (x2.contiguous(), buffers["qweight"], scales, zeros, self._effective_group_size)
             if torch.compiler.is_compiling() or (x2.requires_grad and torch.is_grad_enabled()):
                 y = _w4a16_matmul_op(*args)
-            else:  # eager inference: host time per call matters when decoding
-                y = _kernels().w4a16_matmul(*args)
+            else:  # eager inference: the weights were checked at load, and the op's dispatch costs host time
+                y = _kernels().w4a16_matmul_rows(*args)
         else:
             y = x2 @ self._dequantize_sorted(x2.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        bias = self._parameters["bias"]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.view(*lead, self.out_features)  # a torch.Size argument costs twice as much host time
 
     def _use_kernel(self, x: torch.Tensor) -> bool:
+        key = (x.dtype, x.device, _backend)
+        use = self._kernel_route.get(key)
+        if use is None:  # decided once per dtype, device and backend: eager decoding calls this thousands of times
+            use = self._kernel_route[key] = self._decide_kernel(x)
+        return use
+
+    def _decide_kernel(self, x: torch.Tensor) -> bool:
         if _backend == "reference":
             return False
         reasons = []
