@@ -211,3 +211,27 @@ def test_fused_rotation_in_the_quantizer(fmt):
     torch.testing.assert_close(y.float() * s[..., None], ref8.float() * refs[..., None], rtol=0.13, atol=1e-6)
     with pytest.raises(ValueError, match="power-of-two"):
         kla.quantize_e4m3_rows(torch.randn(1, 4, 2, 48), fmt, rotate=True)
+
+
+def test_kernel_rotates_its_output_back():
+    """With `rotate` the kernel returns the output in the original basis: equal to rotating the rotated-basis
+    output by the same (self-inverse) orthonormal Hadamard matrix."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(37, 4, 64).to(torch.bfloat16) for _ in range(3))
+    q[..., 7] += 12.0  # an outlier channel
+    cu = torch.tensor([0, 37], dtype=torch.int32)
+    (q8, qs), (k8, ks), (vt8, vs) = (kla.quantize_e4m3_rows(q, "fp8", rotate=True),
+                                     kla.quantize_e4m3_rows(k, "fp8", rotate=True),
+                                     kla.quantize_e4m3_rows(v, "fp8", transpose=True, rotate=True))
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=37, causal=True, out_dtype=torch.float32)
+    back, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, rotate=True, **kw)
+    rotated, lse_rotated = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, **kw)
+    torch.testing.assert_close(lse, lse_rotated, rtol=0, atol=0)
+    torch.testing.assert_close(back, rotated @ lowbit.hadamard(64, "cpu", torch.float32), rtol=0,
+                               atol=1e-5 * rotated.abs().max().item())
+    x48 = torch.randn(5, 4, 48)
+    cu5 = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="power-of-two"):
+        kla.lowbit_flash_forward(*kla.quantize_e4m3_rows(x48, "fp8"), *kla.quantize_e4m3_rows(x48, "fp8"),
+                                 *kla.quantize_e4m3_rows(x48, "fp8", transpose=True), rotate=True,
+                                 cu_seqlens_q=cu5, cu_seqlens_k=cu5, max_seqlen_q=5)

@@ -65,7 +65,7 @@ def _forward(q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False):
     if rotate and not fused:
         q, k, v = q @ h, k @ h, v @ h
     out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen)
-    return (out @ h if rotate else out), lse
+    return (out @ h if rotate and not fused else out), lse  # the fused kernel rotates its output back itself
 
 
 def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen):
@@ -83,7 +83,8 @@ def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen):
         vt8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True, rotate=fused)
         out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, cu_seqlens_q=cu_q,
                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],
-                                            softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, out_dtype=q.dtype)
+                                            softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, out_dtype=q.dtype,
+                                            rotate=fused)
         if not varlen:
             out = out.view(q.shape)
             lse = lse.view(q.shape[2], q.shape[0], q.shape[1]).permute(1, 0, 2).contiguous()
