@@ -96,6 +96,14 @@ def test_a_different_specialization_takes_tritons_path(cache, change):
     assert len(slow) == 2 and len(fast) == 1
 
 
+def test_arguments_it_cannot_key_take_tritons_path(cache):
+    c, slow, fast = cache
+    args = (object(), *_args()[1:])  # e.g. a TMA descriptor
+    for _ in range(2):
+        c.launch((1,), args, dict(BLOCK=32), "k")
+    assert len(slow) == 2 and not fast
+
+
 def test_values_with_the_same_specialization_share_a_kernel(cache):
     c, slow, fast = cache
     c.launch((1,), _args(n=17), dict(BLOCK=32), "k")

@@ -10,7 +10,7 @@ first call of a key goes through Triton's own path, which compiles and launches,
 The key must cover everything Triton specializes on, or a kernel compiled for other arguments would run: per
 tensor its dtype and whether its address is 16-byte aligned, per int whether it is 1, divisible by 16 and fits
 in 32 bits, per float its type; the caller's `meta_key` stands for the constexprs and launch options, and the key
-also holds the current device. Under TRITON_INTERPRET=1, with a launch hook installed (profilers), or with
+also holds the current device. Arguments of any other type (TMA descriptors) send the call down Triton's path. Under TRITON_INTERPRET=1, with a launch hook installed (profilers), or with
 HF_FASTPATH_DIRECT_LAUNCH=0, every call takes Triton's path.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 from triton.runtime.jit import JITFunction
 
@@ -42,6 +43,10 @@ def _current_stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
 
+class _Unkeyed(Exception):
+    pass
+
+
 def _hooked(hook) -> bool:
     # Triton >= 3.5 keeps a HookChain (empty: no hook); older ones None or the hook itself
     return hook is not None and getattr(hook, "calls", True)
@@ -52,7 +57,9 @@ def _arg_key(a):
         return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
     if isinstance(a, float) or a is None:
         return type(a)
-    return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    raise _Unkeyed  # e.g. a TMA descriptor: specialized on more than this module knows how to key
 
 
 class LaunchCache:
@@ -81,7 +88,11 @@ class LaunchCache:
             self.fn[grid](*args, **meta)
             return
         device = _current_device()
-        key = (meta_key, device, *[_arg_key(a) for a in args])
+        try:
+            key = (meta_key, device, *[_arg_key(a) for a in args])
+        except _Unkeyed:
+            self.fn[grid](*args, **meta)
+            return
         entry = self._kernels.get(key)
         if entry is None:
             if len(args) != self._n_runtime:
