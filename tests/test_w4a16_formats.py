@@ -285,3 +285,29 @@ def test_linear_compiles_without_graph_breaks():
         (dx,) = torch.autograd.grad(y.float().square().sum(), x)
     torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
     torch.testing.assert_close(dx, dx_eager, rtol=0, atol=0)
+
+
+def test_linear_inference_path_and_backend_switches(monkeypatch):
+    """Inference calls go straight to `w4a16_matmul_rows` (no op dispatch, no re-check of the weights); the route
+    is cached per dtype, device and backend, so switching the backend still takes effect on the same layer."""
+    from hf_fastpath.kernels import w4a16 as kernels
+
+    weight = random_weight(128, 24, 4, 64, act_order=True, seed=2)
+    layer = W4A16Linear.from_quantized(*weight, bias=torch.randn(24), bits=4, group_size=64, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    calls = []
+    rows = kernels.w4a16_matmul_rows
+    monkeypatch.setattr(kernels, "w4a16_matmul_rows", lambda *a, **k: calls.append(a[0].shape) or rows(*a, **k))
+    with torch.no_grad():
+        with w4a16_backend("kernel"):
+            y_kernel = layer(x)
+            layer(x)
+        assert calls == [(6, 128)] * 2
+        with w4a16_backend("reference"):
+            y_reference = layer(x)
+        assert len(calls) == 2  # the reference path dequantizes instead
+        with w4a16_backend("kernel"):
+            layer(x[0])
+        assert calls[-1] == (3, 128)
+    assert y_kernel.shape == (2, 3, 24)
+    torch.testing.assert_close(y_kernel.float(), y_reference.float(), rtol=4e-2, atol=4e-2 * y_reference.abs().max().item())
