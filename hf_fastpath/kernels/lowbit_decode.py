@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import lowbit_quant as lq
+from .launch import LaunchCache
 from .lowbit_attention import _cdiv, _next_pow2, interpreting
 
 __all__ = ["lowbit_decode", "FMT_CODES"]
@@ -337,14 +338,24 @@ DECODE_FORMAT_DEFAULTS = {"mxfp4": {"block_n": 64, "num_warps": 2, "num_stages":
 DECODE_CONFIG_OVERRIDE: dict = {}  # fmt -> dict with any of the keys above
 
 
+_FP4_LAUNCH = LaunchCache(_decode_fp4_kernel)
+_SPLIT_LAUNCH = LaunchCache(_decode_split_kernel)
+_COMBINE_LAUNCH = LaunchCache(_combine_kernel)
+
+
 def _settings(fmt: str) -> dict:
     return {**DECODE_CONFIG, **DECODE_FORMAT_DEFAULTS.get(fmt, {}), **DECODE_CONFIG_OVERRIDE.get(fmt, {})}
+
+
+_SMS: dict = {}
 
 
 def _num_splits(programs: int, kv_len: int, block_n: int, device, cfg=DECODE_CONFIG) -> int:
     if interpreting() or device.type != "cuda":
         return max(1, min(4, _cdiv(kv_len, block_n)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if device not in _SMS:  # a device query costs microseconds: decoding asks once per layer and token
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _SMS[device]
     want = max(1, int(cfg["waves"] * sms) // max(programs, 1))
     return max(1, min(want, _cdiv(kv_len, cfg["min_tokens_per_split"]), 256))
 
@@ -384,26 +395,23 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
     rows_kernel = code >= 2 and d >= 32 and (cfg["fp4_kernel"] == "rows" or recoded)
     if recoded and not rows_kernel:  # only the rows kernel reads the decode layout: back to nibbles (slow path)
         kd, vd = lq.recode_from_decode(kd), lq.recode_from_decode(vd)
+    # one decode step per layer and token: the launches skip Triton's per-call argument handling (kernels/launch.py)
+    args = (q, kd, kr if kr is not None else dummy, kb if kb is not None else dummy, vd,
+            vr if vr is not None else dummy, vb if vb is not None else dummy, o_part, l_part, kv_len, s_cap,
+            per_split, scale * LOG2E, splits)
+    common = dict(HQ=hq, HKV=hkv, D=d, FMT=code, BLOCK=block, BLOCK_N=block_n, EMULATE=interpreting())
+    stages = 1 if interpreting() else cfg["num_stages"]
     if rows_kernel:
         nb = d // block
-        _decode_fp4_kernel[(b * hkv, splits)](
-            q, kd, kr if kr is not None else dummy, kb, vd, vr if vr is not None else dummy, vb,
-            o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E, splits,
-            HQ=hq, HKV=hkv, G_PAD=max(_next_pow2(g), _cdiv(16, nb)), D=d, FMT=code, BLOCK=block, BLOCK_N=block_n,
-            EMULATE=interpreting(), UNPACK=cfg["unpack"], RECODED=recoded, num_warps=cfg["num_warps"],
-            num_stages=1 if interpreting() else cfg["num_stages"],
-        )
+        meta = dict(common, G_PAD=max(_next_pow2(g), _cdiv(16, nb)), UNPACK=cfg["unpack"], RECODED=recoded,
+                    num_warps=cfg["num_warps"], num_stages=stages)
+        _FP4_LAUNCH.launch((b * hkv, splits), args, meta, tuple(meta.values()))
     else:
-        _decode_split_kernel[(b * hkv, splits)](
-            q, kd, kr if kr is not None else dummy, kb if kb is not None else dummy,
-            vd, vr if vr is not None else dummy, vb if vb is not None else dummy,
-            o_part, l_part, kv_len, s_cap, per_split, scale * LOG2E, splits,
-            HQ=hq, HKV=hkv, G_PAD=g_pad, D=d, FMT=code, BLOCK=block, BLOCK_N=block_n,
-            EMULATE=interpreting(), num_warps=cfg["num_warps"],
-            num_stages=1 if interpreting() else cfg["num_stages"],
-        )
+        meta = dict(common, G_PAD=g_pad, num_warps=cfg["num_warps"], num_stages=stages)
+        _SPLIT_LAUNCH.launch((b * hkv, splits), args, meta, tuple(meta.values()))
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    _combine_kernel[(b * hq,)](o_part, l_part, out, lse, splits, D=d,
-                               SPLITS_PAD=max(2, _next_pow2(splits)), num_warps=4)
+    splits_pad = max(2, _next_pow2(splits))
+    _COMBINE_LAUNCH.launch((b * hq,), (o_part, l_part, out, lse, splits), dict(D=d, SPLITS_PAD=splits_pad, num_warps=4),
+                           (d, splits_pad))
     return out, lse
