@@ -69,8 +69,6 @@ def gpu_checks():
     """Small correctness checks on the GPU (the CI runs the same kernels only under the interpreter)."""
     from hf_fastpath.attention import lowbit
     from hf_fastpath.kernels import lowbit_attention as kla
-    from hf_fastpath.kernels import lowbit_decode as ld
-    from hf_fastpath.kernels import lowbit_quant as lq
 
     out = {}
     torch.manual_seed(0)

@@ -310,4 +310,5 @@ def test_linear_inference_path_and_backend_switches(monkeypatch):
             layer(x[0])
         assert calls[-1] == (3, 128)
     assert y_kernel.shape == (2, 3, 24)
-    torch.testing.assert_close(y_kernel.float(), y_reference.float(), rtol=4e-2, atol=4e-2 * y_reference.abs().max().item())
+    torch.testing.assert_close(y_kernel.float(), y_reference.float(), rtol=4e-2,
+                               atol=4e-2 * y_reference.abs().max().item())

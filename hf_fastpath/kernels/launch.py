@@ -10,8 +10,9 @@ first call of a key goes through Triton's own path, which compiles and launches,
 The key must cover everything Triton specializes on, or a kernel compiled for other arguments would run: per
 tensor its dtype and whether its address is 16-byte aligned, per int whether it is 1, divisible by 16 and fits
 in 32 bits, per float its type; the caller's `meta_key` stands for the constexprs and launch options, and the key
-also holds the current device. Arguments of any other type (TMA descriptors) send the call down Triton's path. Under TRITON_INTERPRET=1, with a launch hook installed (profilers), or with
-HF_FASTPATH_DIRECT_LAUNCH=0, every call takes Triton's path.
+also holds the current device. Arguments of any other type (TMA descriptors) send the call down Triton's path, as
+does every call under TRITON_INTERPRET=1, with a launch hook installed (profilers), or with
+HF_FASTPATH_DIRECT_LAUNCH=0.
 """
 
 from __future__ import annotations

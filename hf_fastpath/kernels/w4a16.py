@@ -60,8 +60,8 @@ import triton.language as tl
 
 from .launch import LaunchCache
 
-__all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack", "w4a16_unpack",
-           "k_tile_order"]
+__all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack",
+           "w4a16_unpack", "k_tile_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ lop3.b32 $7, b3, 0x000F000F, {magic}, 0xEA;
 # Dequantize each pair: q = (bias + q) - bias exactly, then q * s + (-z * s) with one rounding. $10/$11 hold the
 # scale and -zero*scale pairs of the two words.
 _PTX_DEQUANT = "".join(
-    f"fma.rn.{{t}}x2 $%d, $%d, c1, c2;\nfma.rn.{{t}}x2 $%d, $%d, $10, $11;\n" % (i, i, i, i) for i in range(8))
+    "fma.rn.{t}x2 $%d, $%d, c1, c2;\nfma.rn.{t}x2 $%d, $%d, $10, $11;\n" % (i, i, i, i) for i in range(8))
 _PTX_CONSTS = {"bf16": dict(magic="0x43004300", one="0x3F803F80", mbias="0xC300C300"),
                "f16": dict(magic="0x64006400", one="0x3C003C00", mbias="0xE400E400")}
 
@@ -822,7 +822,8 @@ def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, sp
     _decode_grad_kernel[(k_tiles, split_n, m_tiles)](
         dy2, qweight, scales, zeros, target, m, n, k, dy2.stride(0), target.stride(0), group_size, per_split,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_GROUPS=_tile_groups(group_size, k),
-        PLANE_GROUPS=_plane_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_n > 1, USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
+        PLANE_GROUPS=_plane_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_n > 1,
+        USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split_n > 1:
         dx.copy_(target)
