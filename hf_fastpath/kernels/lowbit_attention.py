@@ -56,8 +56,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does when it decorates a kernel
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET  # (an environment lookup per call showed in the decode step's host time)
 
 
 @triton.jit
