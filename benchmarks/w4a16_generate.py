@@ -6,8 +6,8 @@ Transformers' static cache + torch.compile(mode="reduce-overhead") (CUDA graphs:
 Random weights (the speed does not depend on them). Per variant: tokens/s over `--new-tokens` greedy tokens after a
 warm-up generate (which also compiles), and for the compiled W4A16 model the largest logit difference against its
 eager forward on the same prompt. Also host and wall µs per call of one W4A16 layer beside nn.Linear at M = 1, and
-a check that the direct launches (`kernels/launch.py`) give bit-identical outputs to Triton's own launch path on
-assorted shapes, misaligned inputs included. Needs a CUDA GPU.
+`direct_launch.check_w4a16` (the direct launches of `kernels/launch.py` against Triton's own launch path). Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -55,35 +55,6 @@ def host_time_per_call(layer, x, calls=500):
         return host, (time.perf_counter() - t0) / calls * 1e6
 
 
-def launch_check():
-    """Direct launches against Triton's launch path (LaunchCache disabled) on assorted shapes, 16-byte aligned and
-    misaligned activations, split-K and not, group 128 and 32; each case runs the Triton path, then the direct path
-    twice (cache miss, then hit). Split-K sums in fp32 atomics, whose order varies from run to run, so the outputs
-    are compared with the float reference: a kernel compiled for other argument properties would be far off."""
-    from hf_fastpath.kernels import w4a16 as kernels
-
-    cache = kernels._DECODE_LAUNCH
-    worst, bad = {}, []
-    for k, n, gs in ((4096, 14336, 128), (4096, 4096, 32), (1536, 1000, 128)):
-        codes = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32)
-        qw = kernels.w4a16_pack(codes)
-        s = torch.rand(k // gs, n, device="cuda", dtype=torch.bfloat16) / 64
-        z = torch.randint(0, 16, (k // gs, n), device="cuda").to(torch.bfloat16)
-        w = kernels.w4a16_dequantize(qw, s, z, gs).float()
-        for m in (1, 3, 8, 16, 33, 64, 192):
-            base = torch.randn(m, k + 8, device="cuda", dtype=torch.bfloat16)
-            for x in (base[:, :k], base[:, 1:k + 1]):  # aligned; 2 bytes past alignment with a non-multiple stride
-                ref = x.float() @ w
-                for path, enabled in (("triton", False), ("direct_miss", True), ("direct_hit", True)):
-                    cache.enabled = enabled
-                    err = ((kernels.w4a16_matmul(x, qw, s, z, gs).float() - ref).abs().max() / ref.abs().max()).item()
-                    worst[path] = max(worst.get(path, 0.0), err)
-                    if not err < 1e-2:
-                        bad.append(dict(k=k, n=n, group=gs, m=m, aligned=x.data_ptr() % 16 == 0, path=path, err=err))
-    cache.enabled = True
-    return dict(worst_relative_error=worst, failures=bad, cached_kernels=len(cache._kernels))
-
-
 def run(args):
     import transformers
 
@@ -118,7 +89,9 @@ def run(args):
         # model.forward by hand on top of that failed on Transformers 5.17 (CUDA-graph outputs overwritten)
         return tokens_per_s(m, ids, args.new_tokens, cache_implementation="static")
 
-    res["launch_check"] = launch_check()
+    from direct_launch import check_w4a16
+
+    res["launch_check"] = check_w4a16()
     log("launch check:", res["launch_check"])
     variant("bf16_eager", lambda: tokens_per_s(model, ids, args.new_tokens))
     if args.compile:

@@ -1,8 +1,8 @@
 """`kernels.launch.LaunchCache`: which calls reuse a compiled kernel and what they hand its launcher.
 
 CI has no GPU, so the kernel is a real `JITFunction` whose compile-and-launch path (`run`) and compiled kernel are
-stand-ins that record their calls; the GPU check (same outputs with HF_FASTPATH_DIRECT_LAUNCH=0) is in
-benchmarks/w4a16_generate.py's launch check.
+stand-ins that record their calls; `benchmarks/direct_launch.py` checks the real launches against Triton's own path
+on the GPU.
 """
 
 import pytest
