@@ -40,6 +40,7 @@ _LAZY = {
     "fp8_attention": "hf_fastpath.attention.lowbit",
     "fp4_attention": "hf_fastpath.attention.lowbit",
     "use_chunked_loss": "hf_fastpath.integrations.causal_lm_loss",
+    "fuse_projections": "hf_fastpath.integrations.fused_projections",
     "chunked_linear_cross_entropy": "hf_fastpath.losses",
 }
 

@@ -60,7 +60,8 @@ import triton.language as tl
 
 from .launch import LaunchCache
 
-__all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack",
+__all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_concat", "w4a16_matmul_concat_rows",
+           "w4a16_back_to_back", "w4a16_segment_columns", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack",
            "w4a16_unpack", "k_tile_order"]
 
 logger = logging.getLogger(__name__)
@@ -330,9 +331,10 @@ MODES = {"factored": 0, "centered": 1, "dequant": 2, "grouped": 3}
 @triton.jit
 def _decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count_ptr,
-    M, N, K, stride_xm, stride_om, group_size, tiles_per_split, n_splits,
+    M, N, K, stride_xm, stride_om, group_size, tiles_per_split, n_splits, seg1, seg2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, PLANE_GROUPS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
+    SEGMENTED: tl.constexpr,
 ):
     """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split.
 
@@ -345,7 +347,12 @@ def _decode_kernel(
 
     With SPLIT, the n_splits programs of a tile add their partial sums into the fp32 workspace ws (same shape and
     strides as out) and take a ticket from count[tile]; the last one casts the sum into out and leaves ws and
-    count zeroed for the next call. One launch: no memset before, no cast kernel after."""
+    count zeroed for the next call. One launch: no memset before, no cast kernel after.
+
+    SEGMENTED: W is up to three weights side by side along N (columns [0, seg1), [seg1, seg2), [seg2, N)), each
+    stored in its own [K // 8, N_j] layout, the three back to back in memory from qw_ptr (scales and zeros from
+    s_ptr / z_ptr likewise): layers that share their input (q/k/v, gate/up) in one launch. Every segment is a
+    multiple of BLOCK_N columns, so a program's columns lie in one segment."""
     # Row tiles vary fastest: the programs that share a weight tile run side by side, so all but the first read
     # it from L2 instead of HBM.
     pid_m = tl.program_id(0)
@@ -366,6 +373,17 @@ def _decode_kernel(
         n_safe = offs_n
     else:
         n_safe = tl.minimum(offs_n, N - 1)
+    cols = offs_n  # this program's columns within the weight it reads (its segment's), unclamped
+    n_cols = N
+    if SEGMENTED:
+        first = pid_n * BLOCK_N
+        seg_lo = tl.where(first >= seg2, seg2, tl.where(first >= seg1, seg1, 0))
+        n_cols = tl.where(first >= seg2, N, tl.where(first >= seg1, seg2, seg1)) - seg_lo
+        qw_ptr += seg_lo * (K // 8)  # the segments before hold (K / 8) * seg_lo words
+        s_ptr += seg_lo * (K // group_size)
+        z_ptr += seg_lo * (K // group_size)
+        n_safe -= seg_lo
+        cols -= seg_lo
     m_safe = tl.minimum(offs_m, M - 1)
     n_words = K // 8
     kt_start = pid_k * tiles_per_split
@@ -374,33 +392,33 @@ def _decode_kernel(
     # The tile's scales/zeros (2-byte values spread thinly over the threads: too narrow for the cp.async pipeline)
     # are loaded one iteration ahead by hand so that their latency overlaps the current tile.
     if MODE != GROUPED:
-        s_next, z_next = _tile_group(s_ptr, z_ptr, kt_start, N, group_size, n_safe)
+        s_next, z_next = _tile_group(s_ptr, z_ptr, kt_start, n_cols, group_size, n_safe)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kt in range(kt_start, kt_end):
         k0 = kt * 128
         if EVEN_K:
             rows_in_tile = 16
-            w = tl.load(qw_ptr + _word_offsets(kt, N, n_safe[:, None], offs_i[None, :], 16, True))
+            w = tl.load(qw_ptr + _word_offsets(kt, n_cols, n_safe[:, None], offs_i[None, :], 16, True))
             xt = tl.load(xt_ptrs + (k0 + offs_c)[:, None])
         else:  # a ragged last tile of R < 16 word rows holds inputs k0 + R * j + i
             rows_in_tile = tl.minimum(n_words - kt * 16, 16)
-            w = tl.load(qw_ptr + _word_offsets(kt, N, n_safe[:, None], offs_i[None, :], rows_in_tile, False))
+            w = tl.load(qw_ptr + _word_offsets(kt, n_cols, n_safe[:, None], offs_i[None, :], rows_in_tile, False))
             i = offs_c % 16
             xt = tl.load(xt_ptrs + (k0 + rows_in_tile * (offs_c // 16) + i)[:, None],
                          mask=(i < rows_in_tile)[:, None], other=0.0)
         if MODE != GROUPED:
             s1 = s_next
             z1 = z_next
-            s_next, z_next = _tile_group(s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), N, group_size, n_safe)
+            s_next, z_next = _tile_group(s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), n_cols, group_size, n_safe)
         if MODE == FACTORED:
             q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles8(w, w, w, xt, False, USE_PTX)
         elif MODE == GROUPED and PLANE_GROUPS:
             q0, q1, q2, q3, q4, q5, q6, q7 = _plane_group_planes(
-                w, _plane_tile(s_ptr, k0, rows_in_tile, offs_n, N, group_size),
-                _plane_tile(z_ptr, k0, rows_in_tile, offs_n, N, group_size), xt, 0, USE_PTX)
+                w, _plane_tile(s_ptr, k0, rows_in_tile, cols, n_cols, group_size),
+                _plane_tile(z_ptr, k0, rows_in_tile, cols, n_cols, group_size), xt, 0, USE_PTX)
         elif MODE == GROUPED:
             q0, q1, q2, q3, q4, q5, q6, q7 = _grouped_planes(
-                w, k0, offs_i[None, :], n_safe[:, None], rows_in_tile, s_ptr, z_ptr, N, K, group_size, xt, USE_PTX)
+                w, k0, offs_i[None, :], n_safe[:, None], rows_in_tile, s_ptr, z_ptr, n_cols, K, group_size, xt, USE_PTX)
         else:
             if MODE == CENTERED:  # (bias + q) * 1 - z: exact for integer zero points
                 s2 = tl.full((BLOCK_N, 16), 1.0, dtype)
@@ -757,8 +775,8 @@ def _plane_groups(group_size: int, k: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret: bool, use_ptx: bool, cfg=None,
-                 split_k=None):
+def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret: bool, use_ptx: bool,
+                 segmented: bool = False, cfg=None, split_k=None):
     """(grid, tiles_per_split, n_splits, output tiles, constexprs and launch options) of the fused forward: pure
     host arithmetic, cached for the default configs (`_default_decode_plan`) because decoding launches the same few
     shapes thousands of times and its host time per call shows."""
@@ -775,7 +793,7 @@ def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret:
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 MODE=MODES[cfg["mode"]] if tile_groups else MODES["grouped"], PLANE_GROUPS=plane_groups,
                 EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, USE_PTX=use_ptx,
-                FP32_DOT=interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                FP32_DOT=interpret, SEGMENTED=segmented, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (m_tiles, split_k, n_tiles), per_split, split_k, n_tiles * m_tiles, meta
 
 
@@ -783,11 +801,16 @@ _default_decode_plan = functools.lru_cache(maxsize=4096)(_decode_plan)
 _DECODE_LAUNCH = LaunchCache(_decode_kernel)
 
 
-def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, cache_workspace=True):
+def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, cache_workspace=True,
+                   segments=None):
+    """out = x2 @ W; segments=(seg1, seg2): W is out.shape[1] columns of weights stored back to back from qweight,
+    scales and zeros (the kernel's SEGMENTED mode)."""
     m, k = x2.shape
-    n = qweight.shape[1]
+    n = out.shape[1]
     device = x2.device
-    plan_args = (m, k, n, group_size, _num_sms(device), _interpreting(), _use_ptx(device, x2.dtype))
+    seg1, seg2 = segments or (n, n)
+    plan_args = (m, k, n, group_size, _num_sms(device), _interpreting(), _use_ptx(device, x2.dtype),
+                 segments is not None)
     custom = cfg is not None or split_k is not None
     grid, per_split, split_k, tiles, meta = (_decode_plan(*plan_args, cfg, split_k) if custom
                                              else _default_decode_plan(*plan_args))
@@ -795,7 +818,7 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     if split_k > 1:
         ws, count = _split_workspace(device, (m - 1) * out.stride(0) + n, tiles, cache_workspace)
     args = (x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
-            split_k)
+            split_k, seg1, seg2)
     if custom:
         _decode_kernel[grid](*args, **meta)
     else:  # plan_args determine meta
@@ -937,6 +960,72 @@ def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     if m > 0 and n > 0:
         _decode_matmul(x2, qweight, scales, zeros, group_size, out, cache_workspace=cache_workspace)
+    return out
+
+
+SEGMENT_COLUMNS = 256  # one launch over several weights needs each N_j a multiple of every decode config's BLOCK_N
+_INTERPRET_SEGMENT_COLUMNS = 64  # the interpreter's BLOCK_N
+
+
+def w4a16_segment_columns() -> int:
+    """What each weight's N must be a multiple of for `w4a16_matmul_concat` to run it in one launch with others."""
+    return _INTERPRET_SEGMENT_COLUMNS if _INTERPRET else SEGMENT_COLUMNS
+
+
+def w4a16_back_to_back(parts) -> bool:
+    """Whether 1-3 weights (qweight, scales, zeros) can run as one launch in `w4a16_matmul_concat`: same K and
+    groups, each N_j a multiple of SEGMENT_COLUMNS, and each of the three tensor kinds stored back to back in
+    memory in the parts' order (e.g. contiguous slices of one allocation, as `W4A16Linear` siblings fused at
+    load hold them)."""
+    if not 1 <= len(parts) <= 3:
+        return False
+    q0, s0, z0 = parts[0]
+    words, groups = q0.shape[0], s0.shape[0]
+    align = w4a16_segment_columns()
+    cols = 0
+    for q, s, z in parts:
+        if (q.shape[0] != words or s.shape[0] != groups or q.shape[1] % align
+                or not (q.is_contiguous() and s.is_contiguous() and z.is_contiguous())
+                or q.data_ptr() != q0.data_ptr() + 4 * words * cols
+                or s.data_ptr() != s0.data_ptr() + s0.element_size() * groups * cols
+                or z.data_ptr() != z0.data_ptr() + z0.element_size() * groups * cols):
+            return False
+        cols += q.shape[1]
+    return True
+
+
+def w4a16_matmul_concat(x: torch.Tensor, parts, group_size: int, *, cache_workspace: bool = True) -> torch.Tensor:
+    """y = x @ [W_0 | W_1 | W_2]: 1-3 weights that share their input (q/k/v, gate/up), parts = [(qweight, scales,
+    zeros), ...] as for `w4a16_matmul`, same K and group_size. Returns [..., N_0 + N_1 + N_2].
+
+    Up to DECODE_MAX_M rows and with the parts `w4a16_back_to_back`, one launch covers all the parts (decoding:
+    one call instead of three, and the short calls of the small k/v projections fill the GPU together); otherwise
+    one call per part, concatenated. cache_workspace as for `w4a16_matmul`."""
+    what = "w4a16_matmul_concat"
+    _check_activation(x, what, "x")
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"{what}: takes 1 to 3 weights, got {len(parts)}")
+    checked = [_check_weights(q, s, z, group_size, x.dtype, x.device, f"{what}: part {i}")
+               for i, (q, s, z) in enumerate(parts)]
+    k, _, group_size = checked[0]
+    if any(c[0] != k or c[2] != group_size for c in checked):
+        raise ValueError(f"{what}: every part must have the same K and group size, got "
+                         f"{[(c[0], c[2]) for c in checked]}")
+    x2, lead = _as_rows(x, k, f"{what}: x", f"K = {k} (qweight.shape[0] * 8)")
+    if len(parts) > 1 and 0 < x2.shape[0] <= DECODE_MAX_M and w4a16_back_to_back(parts):
+        y = w4a16_matmul_concat_rows(x2, parts, group_size, cache_workspace=cache_workspace)
+    else:
+        y = torch.cat([w4a16_matmul_rows(x2, *p, group_size, cache_workspace=cache_workspace) for p in parts], 1)
+    return y.reshape(*lead, y.shape[1])
+
+
+def w4a16_matmul_concat_rows(x2: torch.Tensor, parts, group_size: int, *, cache_workspace: bool = True) -> torch.Tensor:
+    """One launch of `w4a16_matmul_concat` without its checks: x2 [M, K] with 1 <= M <= DECODE_MAX_M and unit
+    column stride, parts `w4a16_back_to_back` in x2's dtype and device, group_size the effective one."""
+    ns = [p[0].shape[1] for p in parts]
+    out = torch.empty((x2.shape[0], sum(ns)), device=x2.device, dtype=x2.dtype)
+    segments = (ns[0], ns[0] + ns[1] if len(ns) == 3 else out.shape[1])
+    _decode_matmul(x2, *parts[0], group_size, out, cache_workspace=cache_workspace, segments=segments)
     return out
 
 

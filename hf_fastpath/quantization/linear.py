@@ -105,6 +105,17 @@ def _(dy, qweight, scales, zeros, group_size):
     return dy.new_empty(dy.shape[0], qweight.shape[0] * 8)
 
 
+@torch.library.custom_op("hf_fastpath::w4a16_matmul_concat", mutates_args=())
+def _w4a16_concat_op(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
+                     zeros: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    return _kernels().w4a16_matmul_concat(x, list(zip(qweights, scales, zeros)), group_size, cache_workspace=False)
+
+
+@_w4a16_concat_op.register_fake
+def _(x, qweights, scales, zeros, group_size):
+    return x.new_empty(x.shape[0], sum(q.shape[1] for q in qweights))
+
+
 def _op_setup_context(ctx, inputs, output):
     _, qweight, scales, zeros, group_size = inputs
     ctx.save_for_backward(qweight, scales, zeros)
@@ -152,6 +163,7 @@ class W4A16Linear(nn.Module):
             self.register_parameter("bias", None)
         self._effective_group_size = gs
         self._kernel_route: dict = {}  # (dtype, device, backend) -> whether forward runs the Triton kernels
+        self._provided = None  # (input, output): this layer's output for that very input, from `concat_forward`
         self.checkpoint_specs()  # raises now if the sizes cannot be stored in this format
         self._register_state_dict_hook(_state_dict_to_checkpoint)
         self._register_load_state_dict_pre_hook(_load_checkpoint_state_dict, with_module=True)
@@ -343,6 +355,10 @@ class W4A16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eager decoding runs this once per linear and token and is host-bound, so the hot path avoids
         # nn.Module.__getattr__ (~1-2 µs per buffer) and rechecking what was checked at load.
+        provided = self._provided
+        if provided is not None and provided[0] is x:
+            self._provided = None
+            return provided[1]
         self._check_loaded()
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W4A16Linear expects inputs with last dimension {self.in_features}, got {tuple(x.shape)}")
@@ -429,6 +445,77 @@ class W4A16Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, act_order={self.perm is not None}, "
                 f"format={self.checkpoint_format}")
+
+
+# -------------------------------------------------------------------------------------------------------- siblings
+# Layers that share their input (attention q/k/v, MLP gate/up) can decode as one kernel launch when their tensors lie
+# back to back in memory: `fuse_siblings` re-stores them so (each layer keeps its own buffers, now views into one
+# allocation per tensor kind, so state_dict, saving and PEFT see nothing new); `concat_forward` computes them.
+
+
+def fuse_siblings(layers) -> bool:
+    """Re-store 2-3 loaded 4-bit `W4A16Linear` layers with the same input back to back in memory. Returns False and
+    changes nothing where one launch cannot serve them (other bits or sizes, act-order, CPU tensors, widths that
+    are not multiples of the kernels' column blocks)."""
+    kernels = _kernels()
+    first = layers[0] if layers else None
+    if kernels is None or not 2 <= len(layers) <= 3 or not all(isinstance(m, W4A16Linear) for m in layers):
+        return False
+    for m in layers:
+        if (m._staging is not None or m.bits != 4 or m.perm is not None or m.qweight.is_meta
+                or m.in_features != first.in_features or m._effective_group_size != first._effective_group_size
+                or m.scales.dtype != first.scales.dtype or m.qweight.device != first.qweight.device
+                or m.in_features % m._effective_group_size != 0
+                or m.out_features % kernels.w4a16_segment_columns() != 0):
+            return False
+    if kernels.w4a16_back_to_back([(m.qweight, m.scales, m.zeros) for m in layers]):
+        return True
+    for name in ("qweight", "scales", "zeros"):
+        flat = torch.cat([m._buffers[name].reshape(-1) for m in layers])
+        start = 0
+        for m in layers:
+            old = m._buffers[name]
+            m._buffers[name] = flat[start:start + old.numel()].view(old.shape)
+            start += old.numel()
+    if not kernels.w4a16_back_to_back([(m.qweight, m.scales, m.zeros) for m in layers]):
+        raise RuntimeError("fuse_siblings: the re-stored layers are not back to back (a bug)")
+    return True
+
+
+def concat_forward(layers, x: torch.Tensor):
+    """The layers' outputs for input x from one kernel launch (views into one [..., sum N] tensor), or None where
+    that does not apply (each layer then runs on its own): more than DECODE_MAX_M rows, autograd, no kernel
+    route, scales of another dtype, or layers no longer back to back (`model.to(...)` re-allocates buffers; a
+    one-time warning says to call `fuse_siblings` / `hf_fastpath.fuse_projections` again)."""
+    kernels = _kernels()
+    first = layers[0]
+    if (x.shape[-1] != first.in_features or (x.requires_grad and torch.is_grad_enabled())
+            or first._staging is not None):
+        return None
+    x2 = x.reshape(-1, first.in_features)
+    if not 0 < x2.shape[0] <= kernels.DECODE_MAX_M or not first._use_kernel(x2):
+        return None
+    parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
+    if parts[0][1].dtype != x2.dtype:
+        return None
+    if torch.compiler.is_compiling():
+        y = _w4a16_concat_op(x2.contiguous(), *map(list, zip(*parts)), first._effective_group_size)
+    else:
+        if not kernels.w4a16_back_to_back(parts):
+            _warn_once("siblings-moved", "W4A16 layers fused for one launch are no longer back to back in memory "
+                       "(their tensors were moved or replaced): each runs on its own now; call "
+                       "hf_fastpath.fuse_projections(model) again after moving the model")
+            return None
+        y = kernels.w4a16_matmul_concat_rows(x2.contiguous(), parts, first._effective_group_size)
+    outs, start, lead = [], 0, x.shape[:-1]
+    for m in layers:
+        out = y[:, start:start + m.out_features]
+        start += m.out_features
+        bias = m._parameters["bias"]
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        outs.append(out.view(*lead, m.out_features))
+    return outs
 
 
 def _check_int_weight(weight: F.IntWeight, in_features: int, out_features: int, bits: int, group_size: int) -> None:
