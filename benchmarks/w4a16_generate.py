@@ -5,7 +5,8 @@ Transformers' static cache + torch.compile(mode="reduce-overhead") (CUDA graphs:
 
 Random weights (the speed does not depend on them). Per variant: tokens/s over `--new-tokens` greedy tokens after a
 warm-up generate (which also compiles), and for the compiled W4A16 model the largest logit difference against its
-eager forward on the same prompt. Also host and wall µs per call of one W4A16 layer beside nn.Linear at M = 1, and
+eager forward on the same prompt; then the W4A16 model again with `hf_fastpath.fuse_projections` (q/k/v and
+gate/up as one launch each). Also host and wall µs per call of one W4A16 layer beside nn.Linear at M = 1, and
 `direct_launch.check_w4a16` (the direct launches of `kernels/launch.py` against Triton's own launch path). Needs a
 CUDA GPU.
 """
@@ -110,6 +111,7 @@ def run(args):
     log("host time per call (M=1, 4096 -> 14336):", res["host_us_per_call_M1"])
     variant("w4a16_eager", lambda: tokens_per_s(model, ids, args.new_tokens))
     if not args.compile:
+        fused_variants(model, ids, eager_logits, res, variant, compiled)
         return finish(res, args)
     variant("w4a16_static_compiled", lambda: compiled(model))
     try:
@@ -122,12 +124,28 @@ def run(args):
         res["w4a16_eager_logit_scale"] = eager_logits.abs().max().item()
     except Exception as exc:  # noqa: BLE001
         res["compiled_check_error"] = repr(exc)[:500]
+    fused_variants(model, ids, eager_logits, res, variant, compiled)
     finish(res, args)
+
+
+def fused_variants(model, ids, eager_logits, res, variant, compiled):
+    """The same W4A16 model with `fuse_projections` (q/k/v and gate/up as one launch each), eager and compiled."""
+    import hf_fastpath
+
+    torch._dynamo.reset()
+    res["fused_groups"] = hf_fastpath.fuse_projections(model)
+    with torch.no_grad():
+        res["fused_vs_unfused_eager_max_logit_diff"] = (model(ids).logits.float() - eager_logits).abs().max().item()
+    variant("w4a16_fused_eager", lambda: tokens_per_s(model, ids, res["new_tokens"]))
+    if "bf16_static_compiled" in res["rows"]:
+        variant("w4a16_fused_static_compiled", lambda: compiled(model))
 
 
 def finish(res, args):
     r = res["rows"]
-    for a, b in (("w4a16_eager", "bf16_eager"), ("w4a16_static_compiled", "bf16_static_compiled")):
+    for a, b in (("w4a16_eager", "bf16_eager"), ("w4a16_static_compiled", "bf16_static_compiled"),
+                 ("w4a16_fused_eager", "bf16_eager"), ("w4a16_fused_static_compiled", "bf16_static_compiled"),
+                 ("w4a16_fused_eager", "w4a16_eager"), ("w4a16_fused_static_compiled", "w4a16_static_compiled")):
         if "tokens_per_s" in r.get(a, {}) and "tokens_per_s" in r.get(b, {}):
             res[f"speedup_{a}_vs_{b}"] = r[a]["tokens_per_s"] / r[b]["tokens_per_s"]
     with open(args.out, "w") as f:

@@ -55,11 +55,15 @@ def test_concat_matches_float_reference(k, ns, group, m, dtype):
     gen = torch.Generator().manual_seed(k + m)
     parts, w = _parts(k, ns, k if group == -1 else group, dtype, gen)
     assert K.w4a16_back_to_back(parts)
-    x = torch.randn(2, m, k, generator=gen).to(dtype)
+    x = torch.randn(1, m, k, generator=gen).to(dtype)
     y = K.w4a16_matmul_concat(x, parts, group)
     ref = x.double() @ w
-    assert y.shape == (2, m, sum(ns))
+    assert y.shape == (1, m, sum(ns))
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    x2 = torch.randn(m + 24, k, generator=gen).to(dtype)  # one launch takes more rows too (the default is per part)
+    ref2 = x2.double() @ w
+    y2 = K.w4a16_matmul_concat_rows(x2, parts, k if group == -1 else group)
+    assert ((y2.double() - ref2).abs().max() / ref2.abs().max()).item() < 1e-2
 
 
 def test_concat_launches_once_only_for_back_to_back_parts(monkeypatch):
@@ -134,7 +138,7 @@ def test_fused_model_matches_unfused(family, groups_per_layer, sizes, concat_cal
         if family == "llama":  # (one family is enough for generation: the interpreter is slow)
             out = model.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)
             assert out.tolist() == plain.generate(ids[:1, :5], max_new_tokens=3, do_sample=False).tolist()
-    assert all(m._provided is None for m in model.modules() if isinstance(m, W4A16Linear))
+    assert all(m._handoff == [None] for m in model.modules() if isinstance(m, W4A16Linear))
 
 
 def test_fused_layers_keep_their_state_dict_and_grads():
@@ -167,10 +171,11 @@ def test_layer_called_with_another_input_computes_itself():
     x = torch.randn(1, 3, 128).to(F16)
     with w4a16_backend("kernel"), torch.no_grad():
         fused_parts = qlinear.concat_forward([mlp.gate_proj, mlp.up_proj], x)
-        mlp.gate_proj._provided = (x, fused_parts[0] + 1)  # a wrong output for x ...
+        mlp.gate_proj._handoff[0] = (x, fused_parts[0] + 1)  # a wrong output for x ...
         other = x.clone()
         torch.testing.assert_close(mlp.gate_proj(other), fused_parts[0], rtol=0, atol=0)  # ... not used for a clone
-        assert mlp.gate_proj(x) is not fused_parts[0] and mlp.gate_proj._provided is None
+        assert torch.equal(mlp.gate_proj(x), fused_parts[0] + 1)  # x itself takes the handed-over output, once
+        assert mlp.gate_proj._handoff == [None]
 
 
 def test_moved_tensors_fall_back_with_a_warning(caplog, concat_calls):

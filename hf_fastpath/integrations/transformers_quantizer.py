@@ -37,7 +37,6 @@ from transformers.quantizers.base import HfQuantizer
 
 from ..quantization.config import QUANT_METHOD, W4A16Config
 from ..quantization.linear import ScaledActivation, W4A16Linear
-from .fused_projections import fuse_projections
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +310,6 @@ class W4A16Quantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
             finish_loading(model)
-            fuse_projections(model)
             return model
         config = as_w4a16_config(self.quantization_config)
         from ..quantization import calibrate
@@ -321,7 +319,6 @@ class W4A16Quantizer(HfQuantizer):
             tokenizer = model.name_or_path
         calibrate.quantize_model(model, config, tokenizer=tokenizer)
         attach_quantization_config(model, config)
-        fuse_projections(model)
         return model
 
     def _dequantize(self, model, dtype=None):

@@ -964,6 +964,9 @@ def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 SEGMENT_COLUMNS = 256  # one launch over several weights needs each N_j a multiple of every decode config's BLOCK_N
+# One launch over several weights beat one call per weight up to 16 rows on every Llama-3 8B/70B group measured
+# (1.02-2.15x, H200, benchmarks/results/w4a16_fused_projections.json); from 64 rows it lost on some (0.77x).
+CONCAT_MAX_M = 16
 _INTERPRET_SEGMENT_COLUMNS = 64  # the interpreter's BLOCK_N
 
 
@@ -998,7 +1001,7 @@ def w4a16_matmul_concat(x: torch.Tensor, parts, group_size: int, *, cache_worksp
     """y = x @ [W_0 | W_1 | W_2]: 1-3 weights that share their input (q/k/v, gate/up), parts = [(qweight, scales,
     zeros), ...] as for `w4a16_matmul`, same K and group_size. Returns [..., N_0 + N_1 + N_2].
 
-    Up to DECODE_MAX_M rows and with the parts `w4a16_back_to_back`, one launch covers all the parts (decoding:
+    Up to CONCAT_MAX_M rows and with the parts `w4a16_back_to_back`, one launch covers all the parts (decoding:
     one call instead of three, and the short calls of the small k/v projections fill the GPU together); otherwise
     one call per part, concatenated. cache_workspace as for `w4a16_matmul`."""
     what = "w4a16_matmul_concat"
@@ -1012,7 +1015,7 @@ def w4a16_matmul_concat(x: torch.Tensor, parts, group_size: int, *, cache_worksp
         raise ValueError(f"{what}: every part must have the same K and group size, got "
                          f"{[(c[0], c[2]) for c in checked]}")
     x2, lead = _as_rows(x, k, f"{what}: x", f"K = {k} (qweight.shape[0] * 8)")
-    if len(parts) > 1 and 0 < x2.shape[0] <= DECODE_MAX_M and w4a16_back_to_back(parts):
+    if len(parts) > 1 and 0 < x2.shape[0] <= CONCAT_MAX_M and w4a16_back_to_back(parts):
         y = w4a16_matmul_concat_rows(x2, parts, group_size, cache_workspace=cache_workspace)
     else:
         y = torch.cat([w4a16_matmul_rows(x2, *p, group_size, cache_workspace=cache_workspace) for p in parts], 1)
@@ -1020,8 +1023,9 @@ def w4a16_matmul_concat(x: torch.Tensor, parts, group_size: int, *, cache_worksp
 
 
 def w4a16_matmul_concat_rows(x2: torch.Tensor, parts, group_size: int, *, cache_workspace: bool = True) -> torch.Tensor:
-    """One launch of `w4a16_matmul_concat` without its checks: x2 [M, K] with 1 <= M <= DECODE_MAX_M and unit
-    column stride, parts `w4a16_back_to_back` in x2's dtype and device, group_size the effective one."""
+    """One launch of `w4a16_matmul_concat` without its checks: x2 [M, K] with 1 <= M <= DECODE_MAX_M (fastest up to
+    CONCAT_MAX_M) and unit column stride, parts `w4a16_back_to_back` in x2's dtype and device, group_size the
+    effective one."""
     ns = [p[0].shape[1] for p in parts]
     out = torch.empty((x2.shape[0], sum(ns)), device=x2.device, dtype=x2.dtype)
     segments = (ns[0], ns[0] + ns[1] if len(ns) == 3 else out.shape[1])

@@ -163,7 +163,9 @@ class W4A16Linear(nn.Module):
             self.register_parameter("bias", None)
         self._effective_group_size = gs
         self._kernel_route: dict = {}  # (dtype, device, backend) -> whether forward runs the Triton kernels
-        self._provided = None  # (input, output): this layer's output for that very input, from `concat_forward`
+        # [(input, output)] or [None]: this layer's output for that very input, computed with its siblings (see
+        # `concat_forward`). A list, so that handing over costs no nn.Module.__setattr__ (~10 µs each).
+        self._handoff = [None]
         self.checkpoint_specs()  # raises now if the sizes cannot be stored in this format
         self._register_state_dict_hook(_state_dict_to_checkpoint)
         self._register_load_state_dict_pre_hook(_load_checkpoint_state_dict, with_module=True)
@@ -355,9 +357,10 @@ class W4A16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eager decoding runs this once per linear and token and is host-bound, so the hot path avoids
         # nn.Module.__getattr__ (~1-2 µs per buffer) and rechecking what was checked at load.
-        provided = self._provided
+        handoff = self._handoff
+        provided = handoff[0]
         if provided is not None and provided[0] is x:
-            self._provided = None
+            handoff[0] = None
             return provided[1]
         self._check_loaded()
         if x.shape[-1] != self.in_features:
@@ -484,7 +487,7 @@ def fuse_siblings(layers) -> bool:
 
 def concat_forward(layers, x: torch.Tensor):
     """The layers' outputs for input x from one kernel launch (views into one [..., sum N] tensor), or None where
-    that does not apply (each layer then runs on its own): more than DECODE_MAX_M rows, autograd, no kernel
+    that does not apply (each layer then runs on its own): more than CONCAT_MAX_M rows, autograd, no kernel
     route, scales of another dtype, or layers no longer back to back (`model.to(...)` re-allocates buffers; a
     one-time warning says to call `fuse_siblings` / `hf_fastpath.fuse_projections` again)."""
     kernels = _kernels()
@@ -493,7 +496,7 @@ def concat_forward(layers, x: torch.Tensor):
             or first._staging is not None):
         return None
     x2 = x.reshape(-1, first.in_features)
-    if not 0 < x2.shape[0] <= kernels.DECODE_MAX_M or not first._use_kernel(x2):
+    if not 0 < x2.shape[0] <= kernels.CONCAT_MAX_M or not first._use_kernel(x2):
         return None
     parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
     if parts[0][1].dtype != x2.dtype:
