@@ -37,6 +37,8 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     is slow at M = 128), loses from 256-384.
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
     counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
+  * Layers that share their input (q/k/v, gate/up) run as one launch when stored back to back (SEGMENTED mode,
+    `w4a16_matmul_concat`): a program's column block lies in one layer, whose own layout it reads.
   * Up to 8 rows, 1- or 8-row tiles: Triton pads the MMA to its minimum shape, but the accumulator, the epilogue
     and the registers shrink (mma.sync, 128 registers instead of wgmma's 227 at 16 rows: twice the resident warps).
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.

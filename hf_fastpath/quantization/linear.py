@@ -458,7 +458,7 @@ class W4A16Linear(nn.Module):
 
 def fuse_siblings(layers) -> bool:
     """Re-store 2-3 loaded 4-bit `W4A16Linear` layers with the same input back to back in memory. Returns False and
-    changes nothing where one launch cannot serve them (other bits or sizes, act-order, CPU tensors, widths that
+    changes nothing where one launch cannot serve them (other bits or sizes, act-order, meta tensors, widths that
     are not multiples of the kernels' column blocks)."""
     kernels = _kernels()
     first = layers[0] if layers else None
