@@ -9,12 +9,12 @@ the two launches they save (generate() 10-18% slower on the H200's host), so the
 call `fuse_projections(model)` before compiling.
 
 `fuse_projections(model)` re-stores each group's layers back to back in memory (`quantization.linear.fuse_siblings`:
-the layers keep their own buffers, as views, so state_dict, saving and PEFT see nothing new) and registers two
-hooks on the parent module. Before the parent's forward the pre-hook computes the group in one launch
-(`concat_forward`) and hands each layer its output for that very input tensor; a layer called with any other
-tensor computes as usual, so a forward that transforms its input first stays correct. The parent's own forward
-code is untouched: nothing here depends on how a Transformers version writes it. Hooks (not a replaced forward)
-keep deepcopy and torch.compile (fullgraph) working.
+the layers keep their own buffers, as views, so state_dict, saving and PEFT see nothing new) and registers a
+forward pre-hook on the parent module: it computes the group in one launch (`ConcatForward`) and hands each layer
+its output for that very input tensor; a layer called with any other tensor computes as usual, so a forward that
+transforms its input first stays correct. The parent's own forward
+code is untouched: nothing here depends on how a Transformers version writes it. A hook (not a replaced forward)
+keeps deepcopy and torch.compile (fullgraph) working.
 
 Groups apply to inference with at most `CONCAT_MAX_M` rows on the Triton kernels; anything else (training,
 prefill, a layer wrapped by PEFT since) runs each layer on its own.
@@ -27,7 +27,7 @@ import logging
 
 from torch import nn
 
-from ..quantization.linear import W4A16Linear, concat_forward, fuse_siblings
+from ..quantization.linear import ConcatForward, W4A16Linear, fuse_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +38,28 @@ SHARED_INPUT_PROJECTIONS = {
 }
 # (GPT-2, GPT-NeoX, GPT-BigCode and Falcon store q/k/v as one layer already and have no gate/up pair.)
 
-_GROUP_ATTR = "_hf_fastpath_shared_input"  # on a parent: (name of its input argument, names of the layers)
+_GROUP_ATTR = "_hf_fastpath_shared_input"  # on a parent: its _SharedInputGroup
+
+
+class _SharedInputGroup:
+    def __init__(self, input_name: str, names: tuple[str, ...]):
+        self.input_name = input_name  # the parent forward's first argument
+        self.names = names  # the layers that read it
+        self.compute = ConcatForward()
 
 
 def _provide_outputs(module: nn.Module, args, kwargs):
-    input_name, names = getattr(module, _GROUP_ATTR)
-    x = args[0] if args else kwargs.get(input_name)
-    layers = [module._modules.get(n) for n in names]
-    if x is None or not all(type(m) is W4A16Linear for m in layers):  # e.g. wrapped by PEFT since
-        return None
-    outs = concat_forward(layers, x)
-    if outs is not None:
-        for m, y in zip(layers, outs):
-            m._handoff[0] = (x, y)
-    return None
-
-
-def _clear_outputs(module: nn.Module, args, kwargs, output):
-    for n in getattr(module, _GROUP_ATTR)[1]:
-        m = module._modules.get(n)
+    """Forward pre-hook of a parent: its layers' outputs for its input, from one launch. Outputs nobody consumed
+    (a layer that was not called) are dropped at the next call."""
+    group = getattr(module, _GROUP_ATTR)
+    x = args[0] if args else kwargs.get(group.input_name)
+    layers = [module._modules.get(n) for n in group.names]
+    outs = None
+    if x is not None and all(type(m) is W4A16Linear for m in layers):  # (PEFT may have wrapped one since)
+        outs = group.compute(layers, x)
+    for i, m in enumerate(layers):
         if type(m) is W4A16Linear:
-            m._handoff[0] = None
+            m._handoff[0] = None if outs is None else (x, outs[i])
     return None
 
 
@@ -78,11 +79,10 @@ def fuse_projections(model: nn.Module) -> int:
                 continue
             fused += 1
             if hasattr(module, _GROUP_ATTR):
-                continue  # hooks already there
+                continue  # hook already there
             input_name = next(iter(inspect.signature(module.forward).parameters))
-            setattr(module, _GROUP_ATTR, (input_name, names))
+            setattr(module, _GROUP_ATTR, _SharedInputGroup(input_name, names))
             module.register_forward_pre_hook(_provide_outputs, with_kwargs=True)
-            module.register_forward_hook(_clear_outputs, with_kwargs=True, always_call=True)
     if fused:
         logger.info("hf_fastpath: %d groups of W4A16 projections decode as one launch each", fused)
     return fused

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -164,7 +165,7 @@ class W4A16Linear(nn.Module):
         self._effective_group_size = gs
         self._kernel_route: dict = {}  # (dtype, device, backend) -> whether forward runs the Triton kernels
         # [(input, output)] or [None]: this layer's output for that very input, computed with its siblings (see
-        # `concat_forward`). A list, so that handing over costs no nn.Module.__setattr__ (~10 µs each).
+        # `ConcatForward`). A list, so that handing over costs no nn.Module.__setattr__ (~10 µs each).
         self._handoff = [None]
         self.checkpoint_specs()  # raises now if the sizes cannot be stored in this format
         self._register_state_dict_hook(_state_dict_to_checkpoint)
@@ -453,7 +454,7 @@ class W4A16Linear(nn.Module):
 # -------------------------------------------------------------------------------------------------------- siblings
 # Layers that share their input (attention q/k/v, MLP gate/up) can decode as one kernel launch when their tensors lie
 # back to back in memory: `fuse_siblings` re-stores them so (each layer keeps its own buffers, now views into one
-# allocation per tensor kind, so state_dict, saving and PEFT see nothing new); `concat_forward` computes them.
+# allocation per tensor kind, so state_dict, saving and PEFT see nothing new); `ConcatForward` computes them.
 
 
 def fuse_siblings(layers) -> bool:
@@ -485,40 +486,51 @@ def fuse_siblings(layers) -> bool:
     return True
 
 
-def concat_forward(layers, x: torch.Tensor):
-    """The layers' outputs for input x from one kernel launch (views into one [..., sum N] tensor), or None where
-    that does not apply (each layer then runs on its own): more than CONCAT_MAX_M rows, autograd, no kernel
-    route, scales of another dtype, or layers no longer back to back (`model.to(...)` re-allocates buffers; a
-    one-time warning says to call `fuse_siblings` / `hf_fastpath.fuse_projections` again)."""
-    kernels = _kernels()
-    first = layers[0]
-    if (x.shape[-1] != first.in_features or (x.requires_grad and torch.is_grad_enabled())
-            or first._staging is not None):
-        return None
-    x2 = x.reshape(-1, first.in_features)
-    if not 0 < x2.shape[0] <= kernels.CONCAT_MAX_M or not first._use_kernel(x2):
-        return None
-    parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
-    if parts[0][1].dtype != x2.dtype:
-        return None
-    if torch.compiler.is_compiling():
-        y = _w4a16_concat_op(x2.contiguous(), *map(list, zip(*parts)), first._effective_group_size)
-    else:
-        if not kernels.w4a16_back_to_back(parts):
+class ConcatForward:
+    """Computes 2-3 sibling layers (`fuse_siblings`) for one input in one kernel launch: `group(layers, x)` returns
+    their outputs (views into one [..., sum N] tensor), or None where that does not apply (each layer then runs
+    on its own): more than CONCAT_MAX_M rows, autograd, no kernel route, scales of another dtype, or layers no
+    longer back to back (`model.to(...)` re-allocates buffers; a one-time warning says to fuse again). Eager
+    decoding calls it once per group and token, so it remembers (by weak reference) the buffers it last found
+    back to back instead of re-checking their addresses every call."""
+
+    def __init__(self):
+        self._checked: tuple = ()  # weak references to the 3 buffers of each layer, last found back to back
+
+    def __call__(self, layers, x: torch.Tensor):
+        kernels = _kernels()
+        first = layers[0]
+        if x.requires_grad and torch.is_grad_enabled():
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        if not 0 < x2.shape[0] <= kernels.CONCAT_MAX_M or x2.shape[1] != first.in_features \
+                or not first._use_kernel(x2):
+            return None
+        parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
+        if parts[0][1].dtype != x2.dtype:
+            return None
+        if torch.compiler.is_compiling():
+            y = _w4a16_concat_op(x2.contiguous(), *map(list, zip(*parts)), first._effective_group_size)
+        else:
+            if not self._still_back_to_back(parts):
+                return None
+            y = kernels.w4a16_matmul_concat_rows(x2.contiguous(), parts, first._effective_group_size)
+        outs = y.view(*x.shape[:-1], y.shape[1]).split([m.out_features for m in layers], dim=-1)
+        return [out if m._parameters["bias"] is None else out + m._parameters["bias"].to(out.dtype)
+                for m, out in zip(layers, outs)]
+
+    def _still_back_to_back(self, parts) -> bool:
+        flat = [t for part in parts for t in part]
+        if len(flat) == len(self._checked) and all(ref() is t for ref, t in zip(self._checked, flat)):
+            return True
+        if not _kernels().w4a16_back_to_back(parts):
             _warn_once("siblings-moved", "W4A16 layers fused for one launch are no longer back to back in memory "
                        "(their tensors were moved or replaced): each runs on its own now; call "
                        "hf_fastpath.fuse_projections(model) again after moving the model")
-            return None
-        y = kernels.w4a16_matmul_concat_rows(x2.contiguous(), parts, first._effective_group_size)
-    outs, start, lead = [], 0, x.shape[:-1]
-    for m in layers:
-        out = y[:, start:start + m.out_features]
-        start += m.out_features
-        bias = m._parameters["bias"]
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        outs.append(out.view(*lead, m.out_features))
-    return outs
+            self._checked = ()
+            return False
+        self._checked = tuple(weakref.ref(t) for t in flat)
+        return True
 
 
 def _check_int_weight(weight: F.IntWeight, in_features: int, out_features: int, bits: int, group_size: int) -> None:
