@@ -9,10 +9,12 @@ import logging
 
 import pytest
 import torch
+import transformers
 from models import random_batch, tiny_model
 
 import hf_fastpath
 from hf_fastpath.integrations import fused_projections
+from hf_fastpath.integrations.transformers_quantizer import attach_quantization_config
 from hf_fastpath.kernels import w4a16 as K
 from hf_fastpath.quantization import W4A16Config, W4A16Linear, w4a16_backend
 from hf_fastpath.quantization import linear as qlinear
@@ -141,10 +143,11 @@ def test_fused_model_matches_unfused(family, groups_per_layer, sizes, concat_cal
     assert all(m._handoff == [None] for m in model.modules() if isinstance(m, W4A16Linear))
 
 
-def test_fused_layers_keep_their_state_dict_and_grads():
-    """Fusing re-stores tensors only: state_dict unchanged; with autograd each layer runs on its own (gradients
-    as unfused); fuse_projections is idempotent (one hook)."""
+def test_fused_layers_keep_their_state_dict_and_grads(tmp_path):
+    """Fusing re-stores tensors only: state_dict unchanged, save_pretrained reloads to the same model; with
+    autograd each layer runs on its own (gradients as unfused); fuse_projections is idempotent (one hook)."""
     model = _quantized("llama", intermediate_size=256)
+    attach_quantization_config(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
     plain = copy.deepcopy(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert hf_fastpath.fuse_projections(model) == 4
@@ -153,6 +156,11 @@ def test_fused_layers_keep_their_state_dict_and_grads():
     assert len(attn._forward_pre_hooks) == 1
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=F16, attn_implementation="eager")
+    layers, again = ([m for m in net.modules() if isinstance(m, W4A16Linear)] for net in (model, reloaded))
+    assert len(layers) == len(again) == 14
+    assert all(torch.equal(a.dequantize(), b.dequantize()) for a, b in zip(layers, again))
     ids, _ = random_batch(batch=1, seq=6)
     grads = []
     with w4a16_backend("kernel"):
