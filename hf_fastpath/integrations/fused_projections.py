@@ -12,9 +12,9 @@ quantizer does not turn it on: call `fuse_projections(model)` before compiling.
 the layers keep their own buffers, as views, so state_dict, saving and PEFT see nothing new) and registers a
 forward pre-hook on the parent module: it computes the group in one launch (`ConcatForward`) and hands each layer
 its output for that very input tensor; a layer called with any other tensor computes as usual, so a forward that
-transforms its input first stays correct. The parent's own forward
-code is untouched: nothing here depends on how a Transformers version writes it. A hook (not a replaced forward)
-keeps deepcopy and torch.compile (fullgraph) working.
+transforms its input first stays correct. The parent's own forward code is untouched: nothing here depends on how
+a Transformers version writes it. A hook (not a replaced forward) keeps deepcopy and torch.compile (fullgraph)
+working.
 
 Groups apply to inference with at most `CONCAT_MAX_M` rows on the Triton kernels; anything else (training,
 prefill, a layer wrapped by PEFT since) runs each layer on its own.

@@ -979,9 +979,9 @@ def w4a16_segment_columns() -> int:
 
 def w4a16_back_to_back(parts) -> bool:
     """Whether 1-3 weights (qweight, scales, zeros) can run as one launch in `w4a16_matmul_concat`: same K and
-    groups, each N_j a multiple of SEGMENT_COLUMNS, and each of the three tensor kinds stored back to back in
-    memory in the parts' order (e.g. contiguous slices of one allocation, as `W4A16Linear` siblings fused at
-    load hold them)."""
+    groups, each N_j a multiple of `w4a16_segment_columns()`, and each of the three tensor kinds stored back to
+    back in memory in the parts' order (e.g. contiguous slices of one allocation, as `W4A16Linear` layers hold
+    them after `quantization.linear.fuse_siblings`)."""
     if not 1 <= len(parts) <= 3:
         return False
     q0, s0, z0 = parts[0]
