@@ -15,13 +15,14 @@ Layout of the work:
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .device import compute_major, num_sms
 
 __all__ = ["flash_attention_forward", "flash_attention_backward"]
 
@@ -712,24 +713,17 @@ def _kv_descriptor(t, block_n, block_d):
 _TMA_FAILED: set = set()  # (block dims, config) whose TMA variant did not fit in shared memory
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts(index: int):
-    """(compute capability major, multiprocessor count) of a CUDA device; cached (a query costs microseconds)."""
-    props = torch.cuda.get_device_properties(index)
-    return props.major, props.multi_processor_count
-
-
 def _use_tma(q, d_qk, d_v, bdk, bdv):
     # head dim 256 with TMA buffers exceeds Hopper's 227 KB of shared memory at useful tile sizes
     if USE_TMA is False or _interpreting() or not q.is_cuda or bdk != d_qk or bdv != d_v or max(bdk, bdv) > 128:
         return False
-    return USE_TMA is True or _device_facts(q.device.index if q.device.index is not None else 0)[0] >= 9
+    return USE_TMA is True or compute_major(q.device) >= 9
 
 
 def _num_splits(programs, seqlen_k, block_n, device):
     if _interpreting() or device.type != "cuda":
         return 1
-    sms = _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
+    sms = num_sms(device)
     if programs >= sms:
         return 1
     return max(1, min(_cdiv(seqlen_k, 4 * block_n), _cdiv(4 * sms, programs), 128))

@@ -23,6 +23,8 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
+from .device import current_stream as _current_stream
+
 __all__ = ["LaunchCache"]
 
 
@@ -40,8 +42,6 @@ def _current_device() -> int:
     return triton.runtime.driver.active.get_current_device()
 
 
-def _current_stream(device: int) -> int:
-    return triton.runtime.driver.active.get_current_stream(device)
 
 
 class _Unkeyed(Exception):

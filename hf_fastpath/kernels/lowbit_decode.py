@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import lowbit_quant as lq
+from .device import num_sms
 from .launch import LaunchCache
 from .lowbit_attention import _cdiv, _next_pow2, interpreting
 
@@ -347,15 +348,10 @@ def _settings(fmt: str) -> dict:
     return {**DECODE_CONFIG, **DECODE_FORMAT_DEFAULTS.get(fmt, {}), **DECODE_CONFIG_OVERRIDE.get(fmt, {})}
 
 
-_SMS: dict = {}
-
-
 def _num_splits(programs: int, kv_len: int, block_n: int, device, cfg=DECODE_CONFIG) -> int:
     if interpreting() or device.type != "cuda":
         return max(1, min(4, _cdiv(kv_len, block_n)))
-    if device not in _SMS:  # a device query costs microseconds: decoding asks once per layer and token
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    sms = _SMS[device]
+    sms = num_sms(device)
     want = max(1, int(cfg["waves"] * sms) // max(programs, 1))
     return max(1, min(want, _cdiv(kv_len, cfg["min_tokens_per_split"]), 256))
 

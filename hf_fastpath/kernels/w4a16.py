@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import cuda_index, current_stream, num_sms
 from .launch import LaunchCache
 
 __all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_concat", "w4a16_matmul_concat_rows",
@@ -652,7 +653,6 @@ def _as_rows(t, features: int, what: str, holds: str):
 # Launch choices
 # ----------------------------------------------------------------------------------------------------------------
 
-_NUM_SMS: dict = {}
 _PTX_OK: dict = {}
 
 
@@ -661,22 +661,14 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: fewest programs
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
+    return num_sms(device) if device.type == "cuda" else 1  # the interpreter: fewest programs
 
 
 _WORKSPACES: dict = {}
 
 
 def _stream_key(device) -> int:
-    if device.type != "cuda":
-        return 0
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return triton.runtime.driver.active.get_current_stream(idx)  # torch.cuda.current_stream(): ~8 µs per call
+    return current_stream(cuda_index(device)) if device.type == "cuda" else 0
 
 
 def _split_workspace(device, n_values: int, n_tiles: int, cached: bool = True):
