@@ -4,7 +4,9 @@ layer, on Llama-3 8B and 70B shapes, group 128, bf16; cuBLAS bf16 over the conca
     python benchmarks/w4a16_fused_projections.py [--out benchmarks/results/w4a16_fused_projections.json]
 
 Every call is timed inside a CUDA graph (no launch overhead), cycling through weight copies larger than L2. Each
-case first checks the one-launch output against the float reference. Writes JSON and a PNG. Needs a CUDA GPU.
+case first checks the one-launch output against the float reference. Then host and wall µs of one eager decoder
+layer of a quantized Llama-3-8B at one token, without and with `hf_fastpath.fuse_projections` (not yet run: the
+session that wrote it had no device time left). Writes JSON and a PNG. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -76,6 +78,53 @@ def run():
     return rows
 
 
+def eager_decoder_layer():
+    """Host and wall µs per eager call of one Llama-3-8B decoder layer at one token (what eager generate() pays per
+    layer), without and with `fuse_projections`, alternating three times: whether the hook costs less host time
+    than the launches it saves."""
+    import copy
+    import time
+
+    import transformers
+
+    import hf_fastpath
+    from hf_fastpath.quantization.calibrate import quantize_model
+    from hf_fastpath.quantization.config import W4A16Config
+
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                      num_key_value_heads=8, vocab_size=1024, num_hidden_layers=1)
+    with torch.device("cuda"):
+        plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    plain.eval()
+    quantize_model(plain, W4A16Config(method="rtn", bits=4, group_size=GROUP_SIZE, sym=False))
+    fused = copy.deepcopy(plain)
+    assert hf_fastpath.fuse_projections(fused) == 2
+    x = torch.randn(1, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    position_ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    rope = plain.model.rotary_emb(x, position_ids)
+
+    def per_call(model, calls=300):
+        layer = model.model.layers[0]
+        with torch.no_grad():
+            for _ in range(30):
+                layer(x, position_embeddings=rope, position_ids=position_ids)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                layer(x, position_embeddings=rope, position_ids=position_ids)
+            host = (time.perf_counter() - t0) / calls * 1e6
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / calls * 1e6
+        return dict(host_us=host, wall_us=wall)
+
+    runs = [dict(unfused=per_call(plain), fused=per_call(fused)) for _ in range(3)]
+    for r in runs:
+        print(f"decoder layer, eager, M=1: unfused {r['unfused']['wall_us']:.1f} µs "
+              f"(host {r['unfused']['host_us']:.1f}), fused {r['fused']['wall_us']:.1f} µs "
+              f"(host {r['fused']['host_us']:.1f})", flush=True)
+    return runs
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -106,7 +155,8 @@ def main():
         sys.exit("needs a CUDA GPU")
     rows = run()
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), group_size=GROUP_SIZE, rows=rows)
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), group_size=GROUP_SIZE, rows=rows,
+               eager_decoder_layer=eager_decoder_layer())
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     plot(rows, os.path.splitext(args.out)[0] + ".png")
