@@ -5,7 +5,6 @@ the float reference and the unfused model, under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -186,9 +185,9 @@ def test_layer_called_with_another_input_computes_itself():
         assert mlp.gate_proj._handoff == [None]
 
 
-def test_moved_tensors_fall_back_with_a_warning(caplog, concat_calls):
-    """After model.to(dtype) re-allocates scales, the layers are no longer back to back: one warning, each layer
-    on its own, same logits; fuse_projections again restores one launch."""
+def test_moved_tensors_are_stored_back_to_back_again(concat_calls):
+    """After model.to(dtype) re-allocates scales, the layers are no longer back to back: the first call re-stores
+    each group (one copy), and from then on each runs as one launch again, with the logits of the unfused model."""
     model = _quantized("llama", intermediate_size=256)
     hf_fastpath.fuse_projections(model)
     model.to(BF16)
@@ -196,15 +195,36 @@ def test_moved_tensors_fall_back_with_a_warning(caplog, concat_calls):
     for m in plain.modules():
         if hasattr(m, fused_projections._GROUP_ATTR):
             m._forward_pre_hooks.clear()
+    attn = model.model.layers[0].self_attn
+    assert not K.w4a16_back_to_back([(p.qweight, p.scales, p.zeros) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
     ids, _ = random_batch(batch=1, seq=5)
-    qlinear._warned.discard("siblings-moved")
-    with w4a16_backend("kernel"), torch.no_grad(), caplog.at_level(logging.WARNING):
+    with w4a16_backend("kernel"), torch.inference_mode():
         moved = model(ids).logits
-        assert concat_calls == [] and "no longer back to back" in caplog.text
-        torch.testing.assert_close(moved, plain(ids).logits, rtol=0, atol=0)
-        assert hf_fastpath.fuse_projections(model) == 4
-        torch.testing.assert_close(model(ids).logits, moved, rtol=1e-2, atol=1e-2)
-    assert len(concat_calls) == 4
+        assert concat_calls == [3, 2, 3, 2]
+        assert not any(t.is_inference() for t in model.buffers())  # re-stored outside inference mode
+        assert K.w4a16_back_to_back([(p.qweight, p.scales, p.zeros) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+        torch.testing.assert_close(moved, plain(ids).logits, rtol=1e-2, atol=1e-2)
+        model(ids)
+    assert len(concat_calls) == 8
+
+
+def test_quantizer_fuses_what_it_loads(tmp_path, monkeypatch, concat_calls):
+    """from_pretrained of a 4-bit Llama checkpoint runs q/k/v and gate/up as one launch each, unless
+    HF_FASTPATH_FUSE_PROJECTIONS=0."""
+    model = _quantized("llama", intermediate_size=256)
+    attach_quantization_config(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
+    model.save_pretrained(tmp_path)
+    ids, _ = random_batch(batch=1, seq=4)
+    logits = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("HF_FASTPATH_FUSE_PROJECTIONS", flag)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=F16, attn_implementation="eager")
+        fused = [hasattr(m, fused_projections._GROUP_ATTR) for m in loaded.modules()]
+        assert sum(fused) == (4 if flag == "1" else 0)
+        with w4a16_backend("kernel"), torch.no_grad():
+            logits.append(loaded(ids).logits)
+        assert concat_calls == [3, 2, 3, 2]  # the unfused load adds none
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-3, atol=1e-3)
 
 
 def test_wrapped_layer_disables_its_group(concat_calls):

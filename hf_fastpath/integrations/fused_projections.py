@@ -1,19 +1,21 @@
-"""One W4A16 launch for the projections that share an input: attention q/k/v and MLP gate/up (opt-in).
+"""One W4A16 launch for the projections that share an input: attention q/k/v and MLP gate/up.
 
 Decoding one token, Llama-3-8B's q/k/v are three short kernel calls (the k/v ones too small to fill an H200) and its
-gate/up two. One launch over the concatenated columns: q/k/v 11.3 µs instead of 22.7, gate/up 25.2 instead of 32.8
-(H200, CUDA graphs, batch 1; 1.02-2.15x on Llama-3 8B/70B groups up to 16 rows,
-benchmarks/results/w4a16_fused_projections.json). Compiled static-cache generate() of a 32-layer 8B-shaped model:
-176 tokens/s against 150 unfused (1.18x; 1.67x bf16) in one run, 1.17x in another. Eagerly it is about even
-(0.96x in a run where the host's speed drifted; the hook costs about what the two saved launches do), so the
-quantizer does not turn it on: call `fuse_projections(model)` before compiling.
+gate/up two. One launch over the concatenated columns: q/k/v 11.5 µs instead of 23.6, gate/up 25.3 instead of 32.8
+(H200, CUDA graphs, batch 1; 1.03-2.14x on Llama-3 8B/70B groups up to 16 rows,
+benchmarks/results/w4a16_fused_projections.json). One eager 8B decoder layer at one token: 931-951 µs against
+1018-1033 unfused (1.07-1.10x; the hook costs less host time than the two launches it saves). Compiled static-cache
+generate() of a 32-layer 8B-shaped model: 176 tokens/s against 150 unfused (1.18x; 1.67x bf16) in one run. So the
+quantizer fuses every GPTQ/AWQ/W4A16 model it loads or quantizes (HF_FASTPATH_FUSE_PROJECTIONS=0: not); call
+`fuse_projections(model)` yourself for layers quantized otherwise (`quantize_model`).
 
 `fuse_projections(model)` re-stores each group's layers back to back in memory (`quantization.linear.fuse_siblings`:
 the layers keep their own buffers, as views, so state_dict, saving and PEFT see nothing new) and registers a
 forward pre-hook on the parent module: it computes the group in one launch (`ConcatForward`) and hands each layer
 its output for that very input tensor; a layer called with any other tensor computes as usual, so a forward that
-transforms its input first stays correct. The parent's own forward code is untouched: nothing here depends on how
-a Transformers version writes it. A hook (not a replaced forward) keeps deepcopy and torch.compile (fullgraph)
+transforms its input first stays correct. Moving the model (`model.to(...)` copies tensor by tensor) breaks the
+back-to-back storage; the next decoding call re-stores the group once. The parent's own forward code is
+untouched: nothing here depends on how a Transformers version writes it. A hook (not a replaced forward) keeps deepcopy and torch.compile (fullgraph)
 working.
 
 Groups apply to inference with at most `CONCAT_MAX_M` rows on the Triton kernels; anything else (training,
@@ -65,8 +67,8 @@ def _provide_outputs(module: nn.Module, args, kwargs):
 
 def fuse_projections(model: nn.Module) -> int:
     """Let each group of W4A16 layers that share an input (SHARED_INPUT_PROJECTIONS, by `model.config.model_type`)
-    decode as one kernel launch. Returns the number of groups; 0 for other model types. Idempotent; call it again
-    after moving the model to another device or dtype."""
+    decode as one kernel launch. Returns the number of groups; 0 for other model types. Idempotent. The quantizer
+    calls it for every model it loads or quantizes."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     groups = SHARED_INPUT_PROJECTIONS.get(model_type, ())
     fused = 0

@@ -267,6 +267,15 @@ def attach_quantization_config(model: nn.Module, config: W4A16Config) -> None:
     model.is_quantized = True
 
 
+def _fuse_projections_by_default(model: nn.Module) -> None:
+    """q/k/v and gate/up as one W4A16 launch each (`hf_fastpath.fuse_projections`); HF_FASTPATH_FUSE_PROJECTIONS=0
+    leaves every layer on its own launch."""
+    if os.environ.get("HF_FASTPATH_FUSE_PROJECTIONS", "1") != "0":
+        from .fused_projections import fuse_projections
+
+        fuse_projections(model)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the quantizer
 
@@ -310,6 +319,7 @@ class W4A16Quantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
             finish_loading(model)
+            _fuse_projections_by_default(model)
             return model
         config = as_w4a16_config(self.quantization_config)
         from ..quantization import calibrate
@@ -319,6 +329,7 @@ class W4A16Quantizer(HfQuantizer):
             tokenizer = model.name_or_path
         calibrate.quantize_model(model, config, tokenizer=tokenizer)
         attach_quantization_config(model, config)
+        _fuse_projections_by_default(model)
         return model
 
     def _dequantize(self, model, dtype=None):

@@ -728,20 +728,26 @@ def _use_ptx(device, dtype) -> bool:
     return _PTX_OK[key]
 
 
-def _decode_config(m: int, interpret: bool, tile_groups: bool, plane_groups: bool = False):
-    """Launch configuration for M rows. tile_groups: every K tile lies in one quantization group (group size a
-    multiple of 128, or one group), so scales and zeros can apply once per tile and output; plane_groups: every
-    16-input nibble plane lies in one group (g32/g64)."""
+def _decode_config(m: int, k: int, n: int, interpret: bool, tile_groups: bool, plane_groups: bool = False):
+    """Launch configuration for M rows of a K x N weight. tile_groups: every K tile lies in one quantization group
+    (group size a multiple of 128, or one group), so scales and zeros can apply once per tile and output;
+    plane_groups: every 16-input nibble plane lies in one group (g32/g64)."""
     small = m <= 8 and (tile_groups or plane_groups)
     if interpret:  # the GPU's row tiles, narrower columns: fast enough for the interpreter
         return dict(BLOCK_M=(1 if m == 1 else 8) if small else 16, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=1,
                     mode="factored")
-    # H200 sweeps (benchmarks/results/w4a16_sweep*.json). Up to 8 rows (session 3): a 1- or 8-row tile (Triton
-    # pads the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with ~2 programs per SM was
-    # 1.15-1.45x faster than the 16-row tile on Llama-3 8B/70B shapes (w4a16_sweep_s3*.json). With per-plane
-    # groups (g32) the 8-row tile with 2 warps was fastest at M = 1 (session 5, w4a16_sweep_g32.json).
+    # H200 sweeps (benchmarks/results/w4a16_sweep*.json). Up to 8 rows (session 3): a 1- or 8-row tile (Triton pads
+    # the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with ~2 programs per SM was 1.15-1.45x
+    # faster than the 16-row tile on Llama-3 8B/70B shapes (w4a16_sweep_s3*.json). With per-plane groups (g32) the
+    # 8-row tile with 2 warps was fastest at M = 1 (session 5, w4a16_sweep_g32.json).
     if small and not tile_groups:
         return dict(BLOCK_M=8, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
+    if small and (n >= 12288 or (k >= 16384 and n >= 8192)):
+        # Large layers (session 8, w4a16_small_m_confirm_s8.json, weights streamed from HBM): a row tile as narrow
+        # as M allows, 256 columns, 2 warps: 1.00-1.17x the configs below on 4096x14336, 8192x28672, 28672x8192 and
+        # the 8B/70B gate/up pairs at M = 1-8; on narrower layers (q/k/v, 4096^2) it lost up to 13%.
+        rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+        return dict(BLOCK_M=rows, BLOCK_N=256, num_warps=2, num_stages=3, per_sm=2, mode="factored")
     if small and m == 1:
         return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
     if small:
@@ -776,7 +782,7 @@ def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret:
     shapes thousands of times and its host time per call shows."""
     tile_groups = _tile_groups(group_size, k)
     plane_groups = _plane_groups(group_size, k)
-    cfg = cfg or _decode_config(m, interpret, tile_groups, plane_groups)
+    cfg = cfg or _decode_config(m, k, n, interpret, tile_groups, plane_groups)
     n_tiles = _cdiv(n, cfg["BLOCK_N"])
     m_tiles = _cdiv(m, cfg["BLOCK_M"])
     k_steps = _cdiv(k, _BLOCK_K)

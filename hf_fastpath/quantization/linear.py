@@ -512,23 +512,30 @@ class ConcatForward:
         if torch.compiler.is_compiling():
             y = _w4a16_concat_op(x2.contiguous(), *map(list, zip(*parts)), first._effective_group_size)
         else:
-            if not self._still_back_to_back(parts):
+            if not self._still_back_to_back(layers, parts):
                 return None
+            parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
             y = kernels.w4a16_matmul_concat_rows(x2.contiguous(), parts, first._effective_group_size)
         outs = y.view(*x.shape[:-1], y.shape[1]).split([m.out_features for m in layers], dim=-1)
         return [out if m._parameters["bias"] is None else out + m._parameters["bias"].to(out.dtype)
                 for m, out in zip(layers, outs)]
 
-    def _still_back_to_back(self, parts) -> bool:
+    def _still_back_to_back(self, layers, parts) -> bool:
         flat = [t for part in parts for t in part]
         if len(flat) == len(self._checked) and all(ref() is t for ref, t in zip(self._checked, flat)):
             return True
         if not _kernels().w4a16_back_to_back(parts):
-            _warn_once("siblings-moved", "W4A16 layers fused for one launch are no longer back to back in memory "
-                       "(their tensors were moved or replaced): each runs on its own now; call "
-                       "hf_fastpath.fuse_projections(model) again after moving the model")
-            self._checked = ()
-            return False
+            # model.to(...) re-allocated the tensors one by one: store them back to back again (a one-time copy
+            # of this group; normal tensors even inside inference_mode, as when the model was loaded).
+            with torch.inference_mode(False):
+                refused = not fuse_siblings(layers)
+            if refused:
+                _warn_once("siblings-refused", "W4A16 layers fused for one launch can no longer be stored back to "
+                           "back (different devices or formats since): each runs on its own")
+                self._checked = ()
+                return False
+            logger.debug("W4A16 layers re-stored back to back after their tensors moved")
+            flat = [m._buffers[name] for m in layers for name in ("qweight", "scales", "zeros")]
         self._checked = tuple(weakref.ref(t) for t in flat)
         return True
 
