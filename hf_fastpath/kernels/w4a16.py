@@ -43,11 +43,11 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     and the registers shrink (mma.sync, 128 registers instead of wgmma's 227 at 16 rows: twice the resident warps).
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
-Status (H200, benchmarks/results/w4a16.json, 2026-11-29, session 5): over cuBLAS bf16 on Llama-3 8B/70B shapes,
-M = 1 1.94-2.52x (1.3-2.9 TB/s of weight traffic; 0.96-1.45x torch's int4 tinygemm), M = 8 1.63-2.48x, M = 16
-1.52-2.03x, M = 32 1.14-1.70x, M = 64 0.90-1.51x; group 32: M = 1 1.46-1.88x, M = 64 0.80-1.29x. The loop is
-~2.0-2.2 SASS instructions per weight at M <= 8 (Triton 3.6, sm_90): the nibble unpack alone is ~1.1, so beyond
-~3.5 TB/s the instruction issue itself would bind.
+Status (H200, benchmarks/results/w4a16.json, 2026-12-01, session 8): over cuBLAS bf16 on Llama-3 8B/70B shapes,
+M = 1 1.46-2.45x (1.0-2.8 TB/s of weight traffic; 0.74-1.39x torch's int4 tinygemm), M = 8 1.18-2.45x, M = 16
+1.14-1.82x, M = 32 0.89-1.62x, M = 64 0.71-1.51x; group 32 (session 5): M = 1 1.46-1.88x, M = 64 0.80-1.29x. The
+loop is ~2.0-2.2 SASS instructions per weight at M <= 8 (Triton 3.6, sm_90): the nibble unpack alone is ~1.1, so
+beyond ~3.5 TB/s the instruction issue itself would bind.
 """
 
 from __future__ import annotations
