@@ -3,6 +3,7 @@ hf_fastpath's bf16 kernels, measured in the same process with `triton.testing.do
 
     python benchmarks/lowbit_attention.py                # GPU checks + every case; JSON to benchmarks/results
     python benchmarks/lowbit_attention.py --plot FILE    # PNG from a results JSON (no GPU needed)
+    python benchmarks/lowbit_attention.py --backward-only  # backward: bf16 vs FP8 P/dS products vs SDPA cuDNN
 
 Prefill: 16k tokens per batch (batch = 16384 / seq), seq 4k and 16k, hd 128 (16 heads) / 256 (8 heads), causal and not.
 TFLOP/s with fwd = 4*B*H*S^2*D (half when causal). Variants: SDPA cuDNN and FLASH (bf16), ours bf16
@@ -686,6 +687,84 @@ def decode_only(args):
     _log("wrote", path)
 
 
+def backward_cases(quick=False):
+    """Attention backward (dQ, dK, dV from out and lse), 16k tokens per batch: SDPA cuDNN (bf16), ours bf16, ours with
+    the P and dS products in e4m3 (`fp8_products`, what `fastpath_fp4` trains with). TFLOP/s with
+    bwd = 2.5 * fwd = 10*B*H*S^2*D (half when causal). Accuracy: gradients of a 2k-token case against float64."""
+    from hf_fastpath.attention import reference
+    from hf_fastpath.kernels import flash_attention as fa
+
+    res = dict(accuracy=[], speed=[])
+    torch.manual_seed(0)
+    for d, h in ((128, 8), (64, 8)):
+        for causal in (False, True):
+            q, k, v, g = (torch.randn(1, 2048, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            out, lse = fa.flash_attention_forward(q, k, v, causal=causal)
+            ro, rl = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal)
+            exact = reference.attention_backward(g.double(), q.double(), k.double(), v.double(), ro, rl, causal=causal)
+            row = dict(head_dim=d, causal=causal, tokens=2048)
+            for name, fp8 in (("ours_bf16", False), ("ours_fp8_products", True)):
+                got = fa.flash_attention_backward(g, q, k, v, out, lse, causal=causal, fp8_products=fp8)
+                row[name] = {n: dict(rel=_rel(x.float(), e), cos=_cos(x.float(), e),
+                                     finite=bool(torch.isfinite(x).all())) for n, x, e in zip("qkv", got, exact)}
+            _log("backward accuracy", row)
+            res["accuracy"].append(row)
+    for d in HEADS:
+        h = HEADS[d]
+        for seq in SEQS[:1] if quick else SEQS:
+            b = TOKENS // seq
+            for causal in (False, True):
+                q, k, v, g = (torch.randn(b, seq, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                out, lse = fa.flash_attention_forward(q, k, v, causal=causal)
+                flops = 10 * b * h * seq * seq * d / (2 if causal else 1)
+                row = dict(head_dim=d, seq=seq, batch=b, heads=h, causal=causal, ms={})
+                row["ms"]["ours_bf16"] = _bench(
+                    lambda: fa.flash_attention_backward(g, q, k, v, out, lse, causal=causal))
+                row["ms"]["ours_fp8_products"] = _bench(
+                    lambda: fa.flash_attention_backward(g, q, k, v, out, lse, causal=causal, fp8_products=True))
+                qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                try:
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        gt = g.transpose(1, 2)
+                        row["ms"]["sdpa_cudnn"] = _bench(lambda: torch.autograd.grad(o, (qt, kt, vt), gt,
+                                                                                     retain_graph=True))
+                except Exception as e:  # noqa: BLE001
+                    row["sdpa_cudnn_error"] = repr(e)[:300]
+                row["tflops"] = {n: flops / (ms * 1e-3) / 1e12 for n, ms in row["ms"].items()}
+                row["fp8_vs_bf16"] = row["ms"]["ours_bf16"] / row["ms"]["ours_fp8_products"]
+                _log("backward", {k_: (round(x, 1) if isinstance(x, float) else x) for k_, x in row.items()
+                                  if k_ not in ("ms",)})
+                res["speed"].append(row)
+                del q, k, v, g, out, lse, qt, kt, vt
+                torch.cuda.empty_cache()
+    return res
+
+
+def plot_backward(path, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.load(open(path))
+    rows = res["backward"]["speed"]
+    names = ["sdpa_cudnn", "ours_bf16", "ours_fp8_products"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ax.bar([x + i * width for x in range(len(rows))], [r["tflops"].get(n, 0) for r in rows], width, label=n)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))],
+                  [f"d{r['head_dim']} {r['seq'] // 1024}k {'c' if r['causal'] else 'f'}" for r in rows])
+    ax.set_ylabel("backward TFLOP/s")
+    ax.set_title(f"attention backward, 16k tokens/batch, bf16 inputs ({res['env']['gpu']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", help="make the PNG from this results JSON and exit")
@@ -698,16 +777,25 @@ def main():
                     help="--decode-only: seconds from the start after which the launch sweep stops timing")
     ap.add_argument("--decode-only", action="store_true",
                     help="decode checks, FP4 decode launch sweep and the decode table only (lowbit_decode.json)")
+    ap.add_argument("--backward-only", action="store_true",
+                    help="the attention backward table only, bf16 vs FP8 products (lowbit_attention_backward.json)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.plot:
-        plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+        (plot_backward if "backward" in os.path.basename(args.plot) else plot)(
+            args.plot, os.path.splitext(args.plot)[0] + ".png")
         return
     os.makedirs(args.out, exist_ok=True)
     res = dict(env=_env())
     _log(res["env"])
     if args.decode_only:
         return decode_only(args)
+    if args.backward_only:
+        res["backward"] = backward_cases(args.quick)
+        path = os.path.join(args.out, "lowbit_attention_backward.json")
+        json.dump(res, open(path, "w"), indent=1)
+        plot_backward(path, os.path.splitext(path)[0] + ".png")
+        return
     path = os.path.join(args.out, "lowbit_attention.json")
     steps = [("checks", gpu_checks), ("prefill", prefill_cases), ("e2e_breakdown", e2e_breakdown)]
     if not args.skip_decode:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_fastpath.attention import attention, reference, triton_backend
-from hf_fastpath.kernels.flash_attention import flash_attention_forward
+from hf_fastpath.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tests run interpreted")
 
@@ -135,6 +135,45 @@ def test_fully_masked_rows_forward_and_backward():
     assert torch.all(out[:, :31] == 0)
     assert torch.all(torch.isneginf(lse[:, :, :31]))
     assert torch.all(dq[:, :31] == 0)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("shape,causal,dtype", [
+    ((1, 37, 37, 4, 2, 64), True, torch.float32),  # GQA, several blocks, ragged edge
+    ((1, 19, 45, 4, 2, 80), True, torch.bfloat16),  # Sq < Sk, odd head dim
+    ((1, 45, 19, 2, 1, 32), True, torch.float16),  # Sq > Sk: rows that see no key
+    ((2, 20, 33, 2, 2, 40), False, torch.float32),
+])
+def test_fp8_products_backward(shape, causal, dtype):
+    """dV = P^T dO, dK = dS^T Q, dQ = dS K with e4m3 operands: each gradient within e4m3's error of float64 and
+    really quantized (further from exact than the 16-bit backward); rows that see no key get dQ = 0."""
+    q, k, v = _dense(*shape, dtype=dtype)
+    out, lse = flash_attention_forward(q, k, v, causal=causal)
+    ref_out, ref_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal)
+    dout = _rand(*out.shape, dtype=dtype)
+    exact = reference.attention_backward(dout.double(), q.double(), k.double(), v.double(), ref_out, ref_lse,
+                                         causal=causal)
+    fp8 = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, fp8_products=True)
+    full = flash_attention_backward(dout, q, k, v, out, lse, causal=causal)
+    for name, got, hi, want in zip(("dq", "dk", "dv"), fp8, full, exact):
+        assert got.dtype == dtype and got.shape == want.shape and torch.isfinite(got).all(), name
+        assert _rel(got, want) < 0.06, (name, _rel(got, want))
+        assert _rel(hi, want) < _rel(got, want), name
+    blind = torch.isneginf(lse).transpose(1, 2)  # [B, Sq, H]
+    assert torch.all(fp8[0][blind] == 0) and (blind.any() or shape[1] <= shape[2])
+
+
+def test_fp8_products_backward_varlen():
+    q, k, v, kw = _varlen([17, 0, 1, 30], [17, 0, 5, 30], 4, 2, 32)
+    out, lse = flash_attention_forward(q, k, v, causal=True, **kw)
+    dout = _rand(*out.shape)
+    fp8 = flash_attention_backward(dout, q, k, v, out, lse, causal=True, fp8_products=True, **kw)
+    full = flash_attention_backward(dout, q, k, v, out, lse, causal=True, **kw)
+    for got, want in zip(fp8, full):
+        assert torch.isfinite(got).all() and 0 < _rel(got, want) < 0.06
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

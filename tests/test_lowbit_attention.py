@@ -98,15 +98,38 @@ def test_varlen_matches_dense():
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_backward_straight_through(fmt):
-    q, k, v = (torch.randn(2, 24, 2, 32, requires_grad=True) for _ in range(3))
-    out = lowbit.lowbit_attention(q, k, v, fmt=fmt, causal=True)
-    g = torch.randn_like(out)
-    out.backward(g)
-    ro, rl = reference.attention_forward(q.detach(), k.detach(), v.detach(), causal=True)
-    dq, dk, dv = reference.attention_backward(g, q.detach(), k.detach(), v.detach(), ro, rl, causal=True)
-    for got, ref in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
-        assert torch.isfinite(got).all()
-        assert _cos(got, ref) > (0.99 if fmt == "fp8" else 0.95)
+    """Both backwards (P and dS products in the 16-bit dtype, or in e4m3) give the exact gradients up to the
+    forward's quantization; the e4m3 one really is another computation."""
+    q, k, v = (torch.randn(2, 24, 2, 32) for _ in range(3))
+    g = torch.randn(2, 24, 2, 32)
+    grads = {}
+    for backward in ("bf16", "fp8"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        lowbit.lowbit_attention(*leaves, fmt=fmt, causal=True, backward=backward).backward(g)
+        grads[backward] = [t.grad for t in leaves]
+    ro, rl = reference.attention_forward(q, k, v, causal=True)
+    exact = reference.attention_backward(g, q, k, v, ro, rl, causal=True)
+    for backward, got in grads.items():
+        for a, ref in zip(got, exact):
+            assert torch.isfinite(a).all()
+            assert _cos(a, ref) > (0.99 if fmt == "fp8" else 0.95), backward
+    assert not any(torch.equal(a, b) for a, b in zip(grads["bf16"], grads["fp8"]))
+    with pytest.raises(ValueError, match="backward must be"):
+        lowbit.lowbit_attention(q, k, v, fmt=fmt, backward="fp16")
+
+
+def test_fp8_backward_without_triton_runs_in_full_precision_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(lowbit.interface, "use_triton", lambda t: False)  # a CPU without TRITON_INTERPRET=1
+    lowbit._WARNED.discard("fp8-backward-cpu")
+    q, k, v = (torch.randn(1, 9, 2, 16) for _ in range(3))
+    grads = []
+    for backward in ("bf16", "fp8"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with caplog.at_level(logging.WARNING):
+            lowbit.lowbit_attention(*leaves, fmt="fp8", causal=True, backward=backward).sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert "needs the Triton kernels" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_unsupported_features_fall_back_to_bf16(caplog):

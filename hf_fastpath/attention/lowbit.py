@@ -2,8 +2,12 @@
 
 Forward: Q, K, V quantized per token (scales along the head dim only: causally safe, see
 `hf_fastpath.kernels.lowbit_quant`), then the FP8 tensor-core kernel of `hf_fastpath.kernels.lowbit_attention`.
-Backward: straight-through: the bf16 FlashAttention backward on the unquantized inputs, given the low-precision
-forward's out and lse, so training works and gradients are those of bf16 attention at the quantized output.
+Backward: straight-through: the FlashAttention backward on the unquantized inputs, given the low-precision
+forward's out and lse, so training works and gradients are those of attention at the quantized output. Its
+products with P and dS (dV = P^T dO, dK = dS^T Q, dQ = dS K) run in the 16-bit dtype (default) or, with
+`backward="fp8"`, in e4m3 (what FP4 training on FP4 hardware needs): gradients within 3.2-3.7% (relative) of
+float64 on the H200, but 0.1-0.2x the 16-bit backward's speed there (dO/Q/K tiles quantized in registers spill;
+benchmarks/results/lowbit_attention_backward.json).
 
 Where the low-bit kernel cannot serve a call (sliding window, softcap, ALiBi, dropout) the call runs on the bf16
 `attention` with a one-time warning. On a CPU without TRITON_INTERPRET=1 a float emulation of the same quantized
@@ -17,6 +21,7 @@ import math
 
 import torch
 
+from ..kernels import flash_attention as fa
 from ..kernels import lowbit_attention as kla
 from ..kernels import lowbit_quant as lq
 from . import interface
@@ -124,20 +129,28 @@ def _packed_decode(q, k, v, softmax_scale, return_lse):
 
 class _LowBitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False):
+    def forward(ctx, q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, fp8_backward=False):
         out, lse = _forward(q, k, v, fmt, p_fp4, kw, qk_fmt, rotate)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kw = kw
+        ctx.fp8_backward = fp8_backward
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        # straight-through: gradients of bf16 attention, evaluated at the low-precision forward's out/lse (the
+        # straight-through: gradients of attention, evaluated at the low-precision forward's out/lse (the
         # rotation leaves attention unchanged, so the unrotated inputs serve)
-        dq, dk, dv = interface.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
-        return dq, dk, dv, None, None, None, None, None
+        if ctx.fp8_backward and interface.use_triton(q):
+            dq, dk, dv = fa.flash_attention_backward(dout.contiguous(), q, k, v, out, lse, fp8_products=True,
+                                                     **ctx.kw)
+        else:
+            if ctx.fp8_backward:
+                _warn_once("fp8-backward-cpu", "the FP8 attention backward needs the Triton kernels (a CUDA GPU, or "
+                                               "TRITON_INTERPRET=1 on the CPU): this backward runs in full precision")
+            dq, dk, dv = interface.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 _HADAMARD: dict = {}
@@ -157,7 +170,7 @@ def hadamard(d: int, device, dtype) -> torch.Tensor:
 def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal=False, softmax_scale=None,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False, backend="auto",
-                     dropout_p=0.0, qk_format=None):
+                     dropout_p=0.0, qk_format=None, backward="auto"):
     """Attention with Q/K/V (and P) in `fmt` ("fp8", "mxfp4", "nvfp4"); arguments as `hf_fastpath.attention`.
     `p_format`: "fp8", "fp4", or "auto" (FP4 P only on GPUs with FP4 tensor cores, sm_100+; FP8 P otherwise).
     `rotate`: multiply Q, K, V by an orthonormal Hadamard matrix along the head dim before quantizing (and the output
@@ -165,9 +178,14 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
     scales waste less range (as FlashAttention-3's FP8 "incoherent processing"). Per token: still causally safe.
     Only for power-of-two head dims. `backend` is accepted for signature compatibility; the bf16 fallback uses it.
     `qk_format`: quantize Q and K in this format instead of `fmt` (e.g. "fp8" with an FP4 `fmt`: FP4 keys cost
-    most of FP4 attention's error, FP4 values little; see benchmarks/results/lowbit_accuracy.json)."""
+    most of FP4 attention's error, FP4 values little; see benchmarks/results/lowbit_accuracy.json).
+    `backward`: "bf16" (the products with P and dS in the inputs' 16-bit dtype; "auto" is this) or "fp8" (in e4m3:
+    slower on Hopper, see the module docstring). Both are straight-through."""
     if fmt not in lq.FORMATS:
         raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
+    if backward not in ("auto", "fp8", "bf16"):
+        raise ValueError(f"backward must be 'auto', 'fp8' or 'bf16', got {backward!r}")
+    fp8_backward = backward == "fp8"
     if qk_format is not None and qk_format not in lq.FORMATS:
         raise ValueError(f"unknown low-bit qk_format {qk_format!r}; choose one of {lq.FORMATS}")
     window_size = tuple(int(w) for w in window_size)
@@ -210,7 +228,8 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=0.0, alibi_slopes=None)
     rotate = bool(rotate) and d >= 16 and d & (d - 1) == 0
-    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw, qk_format, rotate)
+    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw, qk_format, rotate,
+                                      fp8_backward)
     return (out, lse) if return_lse else out
 
 

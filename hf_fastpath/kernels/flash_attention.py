@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .device import compute_major, num_sms
+from .lowbit_attention import _fp8_rows, _to_e4m3
 
 __all__ = ["flash_attention_forward", "flash_attention_backward"]
 
@@ -364,13 +365,35 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, CU_Q,
              mask=offs_m < seqlen_q)
 
 
+# FP8 mode of the backward (FP8 = 1 on the GPU, 2 emulated under the interpreter): the products with P and dS
+# (dV = P^T dO, dK = dS^T Q, dQ = dS K) take e4m3 operands. dO, Q and K are quantized per row in registers; their
+# scales lie along the contraction, so they ride on P / dS, which are then scaled per output row (dS) or per tile
+# (P <= 1, P_SCALE as in the forward) into e4m3's range. S and dP stay in the 16-bit dtype.
+P_SCALE = tl.constexpr(256.0)
+
+
+@triton.jit
+def _dot_fp8(a8, b8, FP8: tl.constexpr):
+    if FP8 == 2:  # the interpreter has no FP8 dot: the exact e4m3 values in fp32
+        return tl.dot(a8.to(tl.float32), b8.to(tl.float32), input_precision="ieee")
+    return tl.dot(a8, b8)
+
+
+@triton.jit
+def _scaled_rows_dot(x, col_scale, b8, FP8: tl.constexpr):
+    """(x * col_scale[None, :]) @ b with the product in e4m3, each row of the left operand scaled on its own."""
+    x8, row_scale = _fp8_rows(x * col_scale[None, :], FP8 == 2)
+    return _dot_fp8(x8, b8, FP8) * row_scale[:, None]
+
+
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, stride_dos, stride_ls,
                     offs_n, offs_dk, offs_dv, start, end, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap,
                     slope, window_left, window_right,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                    FP8: tl.constexpr):
     """Accumulate dK, dV of one key block over query rows [start, end); works on transposed scores [N, M]."""
     for m0 in tl.range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -419,12 +442,21 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, s
             if HAS_LEFT:
                 keep = keep & (offs_n[:, None] >= offs_m[None, :] + diag - window_left)
             p_t = tl.where(keep, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+        if FP8:
+            do8, do_s = _fp8_rows(do, FP8 == 2)
+            c = P_SCALE / tl.max(do_s, 0)
+            dv += _dot_fp8(_to_e4m3(tl.minimum(p_t * (do_s * c)[None, :], 448.0), FP8 == 2), do8, FP8) / c
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - t * t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+        if FP8:
+            q8, q_s = _fp8_rows(q, FP8 == 2)
+            dk += _scaled_rows_dot(ds_t, q_s, q8, FP8)
+        else:
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
 
 
@@ -438,7 +470,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES,
                      D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                     HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                     HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.program_id(2)
@@ -481,15 +513,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES,
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
                                  offs_n, offs_dk, offs_dv, lo, a, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
                                  softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC)
+                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
                                  offs_n, offs_dk, offs_dv, a, bb, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
                                  softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                                 False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC)
+                                 False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
                                  offs_n, offs_dk, offs_dv, bb, hi, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
                                  softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC)
+                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + row_k[:, None] * stride_dks + offs_dk[None, :],
              dk.to(DK.dtype.element_ty), mask=k_mask)
@@ -502,7 +534,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, of
                   start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                  FP8: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt_ptrs = K_ptr + offs_n[None, :] * stride_ks + offs_dk[:, None]
@@ -532,7 +565,11 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, of
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PREC)
+        if FP8:
+            k8, k_s = _fp8_rows(tl.trans(kt), FP8 == 2)
+            dq += _scaled_rows_dot(ds, k_s, k8, FP8)
+        else:
+            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PREC)
     return dq
 
 
@@ -545,7 +582,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES,
                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                   HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
@@ -584,15 +621,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES,
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                        lo, a, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                        D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                       UPCAST, PREC)
+                       UPCAST, PREC, FP8)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                        a, bb, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                        D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                       UPCAST, PREC)
+                       UPCAST, PREC, FP8)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                        bb, hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
                        D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                       UPCAST, PREC)
+                       UPCAST, PREC, FP8)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqs + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -612,6 +649,10 @@ _DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128
                  256: (64, 32, 4, 2)}
 _DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3),
                256: (64, 32, 4, 2)}
+# FP8 products quantize dO, Q (dK/dV kernel) and K (dQ kernel) tiles in registers, which spill there (offline
+# SASS, Triton 3.6: dK/dV 1.4 KB of stack per thread at hd 128). hd 256 (H200, lowbit_attention_backward.json):
+# (32, 32, 4, 2) 1.6x faster than the bf16 configs; at hd <= 128 no tile tried did better than the bf16 ones.
+_BWD_FP8_CONFIGS = {256: (32, 32, 4, 2)}
 _INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tiny test shape, quick to interpret
 
 # Benchmarks/tests may pin configs: {"fwd": (BM, BN, warps, stages), "dkdv": ..., "dq": ...}.
@@ -637,6 +678,10 @@ def _config(kind: str, block_d: int, decode: bool = False):
         return _INTERPRET_CONFIG
     if kind == "fwd":
         return _FWD_DECODE_CONFIG if decode else _FWD_CONFIGS[block_d]
+    if kind.endswith("_fp8"):
+        kind = kind[:-4]
+        if block_d in _BWD_FP8_CONFIGS:
+            return _BWD_FP8_CONFIGS[block_d]
     return (_DKDV_CONFIGS if kind == "dkdv" else _DQ_CONFIGS)[block_d]
 
 
@@ -808,9 +853,10 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, cu_seqlens_q=None,
                              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, grad_dtype=None):
+                             softcap=0.0, alibi_slopes=None, grad_dtype=None, fp8_products=False):
     """Returns `(dq, dk, dv)` shaped like q, k, v in `grad_dtype` (default q.dtype), from the given out and lse
-    (which may be merged over several key blocks, as in ring attention)."""
+    (which may be merged over several key blocks, as in ring attention). fp8_products: dV = P^T dO, dK = dS^T Q and
+    dQ = dS K with e4m3 operands (scaled per row; see P_SCALE), for low-precision training."""
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
     dout = dout if dout.dtype == q.dtype else dout.to(q.dtype)  # the dots take one operand dtype
     lse = lse.to(torch.float32).contiguous()
@@ -839,14 +885,17 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
         D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen, **flags)
-    bm, bn, warps, stages = _config("dkdv", bdmax)
+    if fp8_products:
+        common["FP8"] = 2 if _interpreting() else 1
+    suffix = "_fp8" if fp8_products else ""
+    bm, bn, warps, stages = _config("dkdv" + suffix, bdmax)
     _bwd_dkdv_kernel[(_cdiv(mk, bn), hkv, batch)](
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
         *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-    bm, bn, warps, stages = _config("dq", bdmax)
+    bm, bn, warps, stages = _config("dq" + suffix, bdmax)
     _bwd_dq_kernel[(_cdiv(mq, bm), hq, batch)](
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
