@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .device import compute_major, num_sms
-from .lowbit_attention import _fp8_rows, _to_e4m3
+from .lowbit_attention import _to_e4m3
 
 __all__ = ["flash_attention_forward", "flash_attention_backward"]
 
@@ -366,30 +366,47 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, CU_Q,
 
 
 # FP8 mode of the backward (FP8 = 1 on the GPU, 2 emulated under the interpreter): the products with P and dS
-# (dV = P^T dO, dK = dS^T Q, dQ = dS K) take e4m3 operands. dO, Q and K are quantized per row in registers; their
-# scales lie along the contraction, so they ride on P / dS, which are then scaled per output row (dS) or per tile
-# (P <= 1, P_SCALE as in the forward) into e4m3's range. S and dP stay in the 16-bit dtype.
-P_SCALE = tl.constexpr(256.0)
+# (dV = P^T dO, dK = dS^T Q, dQ = dS K) take e4m3 operands. dO, Q and K come quantized per token (fp32 scale per
+# token and head) and transposed, `[H, D, T_pad]` (`lowbit_attention.quantize_e4m3_rows`), so that each tile is
+# the K-major operand FP8 tensor cores need, read straight into shared memory. Their scales lie along the
+# contraction, so they ride on P / dS, which are then scaled into e4m3's range by a running scale per accumulator
+# (`_fp8_accumulate`). S and dP stay in the 16-bit dtype.
 
 
 @triton.jit
-def _dot_fp8(a8, b8, FP8: tl.constexpr):
+def _fp8_tile(XT, SC, t0, offs_t, t_ok, offs_d, D: tl.constexpr, T_PAD, H, MASKED: tl.constexpr):
+    """Rows t0 + offs_t of a transposed e4m3 copy as a [rows, D_pad] tile (the transposed view of the loaded
+    [D_pad, rows] tile: K-major for a dot that contracts over the rows) and their fp32 scales."""
+    ptrs = XT + offs_d[:, None] * T_PAD + (t0 + offs_t)[None, :]
+    if MASKED:
+        xt = tl.load(ptrs, mask=(offs_d < D)[:, None] & t_ok[None, :], other=0.0)
+        sc = tl.load(SC + (t0 + offs_t) * H, mask=t_ok, other=0.0)
+    else:
+        xt = tl.load(ptrs, mask=(offs_d < D)[:, None], other=0.0)
+        sc = tl.load(SC + (t0 + offs_t) * H)
+    return tl.trans(xt), sc
+
+
+@triton.jit
+def _fp8_accumulate(acc, acc_scale, x, col_scale, b8, FP8: tl.constexpr):
+    """acc * acc_scale + (x * col_scale[None, :]) @ b8 as (acc, acc_scale), the left operand in e4m3: divided by a
+    running scale (the largest |x * col_scale| / 448 so far), so acc is only ever scaled down, in place (a separate
+    product tile to scale per row would double the accumulator registers)."""
+    xs = x * col_scale[None, :]
+    new_scale = tl.maximum(tl.maximum(acc_scale, tl.max(tl.max(tl.abs(xs), 1), 0) / 448.0), 1e-30)
+    acc = acc * (acc_scale / new_scale)
+    a8 = _to_e4m3(tl.minimum(tl.maximum(xs / new_scale, -448.0), 448.0), FP8 == 2)
     if FP8 == 2:  # the interpreter has no FP8 dot: the exact e4m3 values in fp32
-        return tl.dot(a8.to(tl.float32), b8.to(tl.float32), input_precision="ieee")
-    return tl.dot(a8, b8)
+        acc = tl.dot(a8.to(tl.float32), b8.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a8, b8, acc)
+    return acc, new_scale
 
 
 @triton.jit
-def _scaled_rows_dot(x, col_scale, b8, FP8: tl.constexpr):
-    """(x * col_scale[None, :]) @ b with the product in e4m3, each row of the left operand scaled on its own."""
-    x8, row_scale = _fp8_rows(x * col_scale[None, :], FP8 == 2)
-    return _dot_fp8(x8, b8, FP8) * row_scale[:, None]
-
-
-@triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, stride_dos, stride_ls,
+def _bwd_dkdv_inner(dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, stride_dos, stride_ls,
                     offs_n, offs_dk, offs_dv, start, end, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap,
-                    slope, window_left, window_right,
+                    slope, window_left, window_right, Q8T_ptr, QS_ptr, DO8T_ptr, DOS_ptr, t_q0, t_q_pad, n_heads,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
@@ -443,9 +460,9 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, s
                 keep = keep & (offs_n[:, None] >= offs_m[None, :] + diag - window_left)
             p_t = tl.where(keep, p_t, 0.0)
         if FP8:
-            do8, do_s = _fp8_rows(do, FP8 == 2)
-            c = P_SCALE / tl.max(do_s, 0)
-            dv += _dot_fp8(_to_e4m3(tl.minimum(p_t * (do_s * c)[None, :], 448.0), FP8 == 2), do8, FP8) / c
+            do8, do_s = _fp8_tile(DO8T_ptr, DOS_ptr, t_q0, offs_m, offs_m < seqlen_q, offs_dv, D_V, t_q_pad, n_heads,
+                                  MASKED)
+            dv, dv_s = _fp8_accumulate(dv, dv_s, p_t, do_s, do8, FP8)
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -453,15 +470,16 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, s
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - t * t)
         if FP8:
-            q8, q_s = _fp8_rows(q, FP8 == 2)
-            dk += _scaled_rows_dot(ds_t, q_s, q8, FP8)
+            q8, q_s = _fp8_tile(Q8T_ptr, QS_ptr, t_q0, offs_m, offs_m < seqlen_q, offs_dk, D_QK, t_q_pad, n_heads,
+                                MASKED)
+            dk, dk_s = _fp8_accumulate(dk, dk_s, ds_t, q_s, q8, FP8)
         else:
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
-    return dk, dv
+    return dk, dv, dk_s, dv_s
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, Q8T, QS, DO8T, DOS, t_q_pad,
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                      stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
                      stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, stride_ls,
@@ -496,11 +514,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES,
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dk_s = tl.full([], 1.0 if FP8 == 0 else 0.0, tl.float32)  # FP8: dk * dk_s, dv * dv_s are the sums
+    dv_s = tl.full([], 1.0 if FP8 == 0 else 0.0, tl.float32)
     lo, a, bb, hi = _query_ranges(n0, seqlen_q, diag, window_left, window_right, BLOCK_M, BLOCK_N,
                                   HAS_LEFT, HAS_RIGHT)
     q_row0 = b64 * stride_qb + start_q.to(tl.int64) * stride_qs
     do_row0 = b64 * stride_dob + start_q.to(tl.int64) * stride_dos
     l_row0 = b64 * stride_lb + start_q.to(tl.int64) * stride_ls
+    t_q0 = start_q if IS_VARLEN else b * dense_len_q  # first query token in the FP8 copies
+    n_heads = tl.num_programs(1) * gqa_ratio
     for g in range(0, gqa_ratio):  # every query head reading this KV head
         head = kv_head * gqa_ratio + g
         slope = 0.0
@@ -510,19 +532,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES,
         DO_ptr = DO + do_row0 + head * stride_doh
         L2_ptr = LSE2 + l_row0 + head * stride_lh
         D_ptr = DELTA + l_row0 + head * stride_lh
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
-                                 offs_n, offs_dk, offs_dv, lo, a, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
-                                 softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
-                                 offs_n, offs_dk, offs_dv, a, bb, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
-                                 softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                                 False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls,
-                                 offs_n, offs_dk, offs_dv, bb, hi, seqlen_q, seqlen_k, diag, sm_scale, scale_log2,
-                                 softcap, slope, window_left, window_right, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                                 True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
-    dk = dk * sm_scale
+        Q8T_ptr = Q8T + head * D_QK * t_q_pad
+        DO8T_ptr = DO8T + head * D_V * t_q_pad
+        dk, dv, dk_s, dv_s = _bwd_dkdv_inner(
+            dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls, offs_n, offs_dk,
+            offs_dv, lo, a, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
+        dk, dv, dk_s, dv_s = _bwd_dkdv_inner(
+            dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls, offs_n, offs_dk,
+            offs_dv, a, bb, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
+            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
+        dk, dv, dk_s, dv_s = _bwd_dkdv_inner(
+            dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls, offs_n, offs_dk,
+            offs_dv, bb, hi, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
+    dk = dk * (dk_s * sm_scale)
+    dv = dv * dv_s
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + row_k[:, None] * stride_dks + offs_dk[None, :],
              dk.to(DK.dtype.element_ty), mask=k_mask)
     tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + row_k[:, None] * stride_dvs + offs_dv[None, :],
@@ -530,8 +558,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES,
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+def _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                   start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                  K8T_ptr, KS_ptr, t_k0, t_k_pad, n_kv_heads,
                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
@@ -566,15 +595,16 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, of
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
         if FP8:
-            k8, k_s = _fp8_rows(tl.trans(kt), FP8 == 2)
-            dq += _scaled_rows_dot(ds, k_s, k8, FP8)
+            k8, k_s = _fp8_tile(K8T_ptr, KS_ptr, t_k0, offs_n, offs_n < seqlen_k, offs_dk, D_QK, t_k_pad, n_kv_heads,
+                                MASKED)
+            dq, dq_s = _fp8_accumulate(dq, dq_s, ds, k_s, k8, FP8)
         else:
             dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PREC)
-    return dq
+    return dq, dq_s
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES,
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, K8T, KS, t_k_pad,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
                    stride_ls, stride_slope_b, dense_len_q, dense_len_k, gqa_ratio,
@@ -615,22 +645,29 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES,
         slope = tl.load(SLOPES + b * stride_slope_b + head).to(tl.float32)
     K_ptr = K + b64 * stride_kb + start_k.to(tl.int64) * stride_ks + kv_head * stride_kh
     V_ptr = V + b64 * stride_vb + start_k.to(tl.int64) * stride_vs + kv_head * stride_vh
+    t_k0 = start_k if IS_VARLEN else b * dense_len_k  # first key token in the FP8 copy
+    n_kv_heads = tl.num_programs(1) // gqa_ratio
+    K8T_ptr = K8T + kv_head * D_QK * t_k_pad
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    dq_s = tl.full([], 1.0 if FP8 == 0 else 0.0, tl.float32)  # FP8: dq * dq_s is the sum
     lo, a, bb, hi = _key_ranges(m0, m0 + BLOCK_M - 1, seqlen_k, diag, window_left, window_right, BLOCK_N,
                                 HAS_LEFT, HAS_RIGHT)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+    dq, dq_s = _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                        lo, a, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                       K8T_ptr, KS + kv_head, t_k0, t_k_pad, n_kv_heads,
                        D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                        UPCAST, PREC, FP8)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+    dq, dq_s = _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                        a, bb, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                       K8T_ptr, KS + kv_head, t_k0, t_k_pad, n_kv_heads,
                        D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                        UPCAST, PREC, FP8)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
+    dq, dq_s = _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                        bb, hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+                       K8T_ptr, KS + kv_head, t_k0, t_k_pad, n_kv_heads,
                        D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                        UPCAST, PREC, FP8)
-    dq = dq * sm_scale
+    dq = dq * (dq_s * sm_scale)
     tl.store(DQ + b64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqs + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -649,10 +686,11 @@ _DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128
                  256: (64, 32, 4, 2)}
 _DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3),
                256: (64, 32, 4, 2)}
-# FP8 products quantize dO, Q (dK/dV kernel) and K (dQ kernel) tiles in registers, which spill there (offline
-# SASS, Triton 3.6: dK/dV 1.4 KB of stack per thread at hd 128). hd 256 (H200, lowbit_attention_backward.json):
-# (32, 32, 4, 2) 1.6x faster than the bf16 configs; at hd <= 128 no tile tried did better than the bf16 ones.
-_BWD_FP8_CONFIGS = {256: (32, 32, 4, 2)}
+# FP8 products: the e4m3 left operands (P, dS) go from the accumulator layout to the FP8 MMA's operand layout in
+# registers, and both kernels spill (offline SASS, Triton 3.6, hd 128: dK/dV 4 KB of stack per thread at the bf16
+# tiles, 1.5 KB at (64, 32, 4, 2); dQ 0.8 KB / 0.2 KB): the least-spilling tiles.
+_BWD_FP8_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2),
+                    256: (32, 32, 4, 2)}
 _INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tiny test shape, quick to interpret
 
 # Benchmarks/tests may pin configs: {"fwd": (BM, BN, warps, stages), "dkdv": ..., "dq": ...}.
@@ -856,7 +894,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
                              softcap=0.0, alibi_slopes=None, grad_dtype=None, fp8_products=False):
     """Returns `(dq, dk, dv)` shaped like q, k, v in `grad_dtype` (default q.dtype), from the given out and lse
     (which may be merged over several key blocks, as in ring attention). fp8_products: dV = P^T dO, dK = dS^T Q and
-    dQ = dS K with e4m3 operands (scaled per row; see P_SCALE), for low-precision training."""
+    dQ = dS K with e4m3 operands (see `_fp8_accumulate`), for low-precision training."""
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
     dout = dout if dout.dtype == q.dtype else dout.to(q.dtype)  # the dots take one operand dtype
     lse = lse.to(torch.float32).contiguous()
@@ -885,19 +923,26 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
         D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen, **flags)
+    fp8 = (q,) * 4 + (0,)  # dkdv: Q8T, QS, DO8T, DOS, t_q_pad (unused without fp8_products)
+    fp8_k = (q, q, 0)  # dq: K8T, KS, t_k_pad
     if fp8_products:
+        from .lowbit_attention import quantize_e4m3_rows
+
         common["FP8"] = 2 if _interpreting() else 1
+        (q8t, qs), (do8t, dos), (k8t, ks) = (quantize_e4m3_rows(x, "fp8", transpose=True) for x in (q, dout, k))
+        fp8 = (q8t, qs, do8t, dos, q8t.shape[-1])
+        fp8_k = (k8t, ks, k8t.shape[-1])
     suffix = "_fp8" if fp8_products else ""
     bm, bn, warps, stages = _config("dkdv" + suffix, bdmax)
     _bwd_dkdv_kernel[(_cdiv(mk, bn), hkv, batch)](
-        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl,
+        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *fp8,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
         *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     bm, bn, warps, stages = _config("dq" + suffix, bdmax)
     _bwd_dq_kernel[(_cdiv(mq, bm), hq, batch)](
-        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl,
+        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *fp8_k,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
         *_strides4(dq, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
