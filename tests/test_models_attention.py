@@ -441,3 +441,18 @@ def test_tiny_configs_are_what_the_docs_say():
         cfg = tiny_config(family)
         assert cfg.vocab_size == 128 and cfg.num_hidden_layers == 2
         assert isinstance(cfg, transformers.PretrainedConfig)
+
+
+def test_fp4_attention_with_fp8_backward_as_a_registered_variant():
+    """The README's recipe: a model trains through FP4 attention whose backward runs its P/dS products in e4m3;
+    gradients close to the bf16 backward's (same forward), but not equal."""
+    hf_fastpath.register_attention_variant("fastpath_fp4_fp8bwd",
+                                           functools.partial(hf_fastpath.fp4_attention, backward="fp8"))
+    ids, mask = random_batch(batch=1, seq=10)
+    grads = []
+    for name in ("fastpath_fp4", "fastpath_fp4_fp8bwd"):
+        model = tiny_model("llama", name)
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.isfinite(grads[1]).all() and not torch.equal(*grads)
+    assert torch.nn.functional.cosine_similarity(*grads, 0) > 0.99

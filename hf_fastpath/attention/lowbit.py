@@ -5,9 +5,9 @@ Forward: Q, K, V quantized per token (scales along the head dim only: causally s
 Backward: straight-through: the FlashAttention backward on the unquantized inputs, given the low-precision
 forward's out and lse, so training works and gradients are those of attention at the quantized output. Its
 products with P and dS (dV = P^T dO, dK = dS^T Q, dQ = dS K) run in the 16-bit dtype (default) or, with
-`backward="fp8"`, in e4m3 (what FP4 training on FP4 hardware needs): gradients within 3.2-3.7% (relative) of
-float64 on the H200, but 0.1-0.2x the 16-bit backward's speed there (dO/Q/K tiles quantized in registers spill;
-benchmarks/results/lowbit_attention_backward.json).
+`backward="fp8"`, in e4m3 (what FP4 training on FP4 hardware needs): gradients within 3.6-3.7% (relative) of
+float64 on the H200, but 0.33-0.48x the 16-bit backward's speed there (the e4m3 P/dS operands go through a
+register layout change and the kernels spill; benchmarks/results/lowbit_attention_backward.json).
 
 Where the low-bit kernel cannot serve a call (sliding window, softcap, ALiBi, dropout) the call runs on the bf16
 `attention` with a one-time warning. On a CPU without TRITON_INTERPRET=1 a float emulation of the same quantized
