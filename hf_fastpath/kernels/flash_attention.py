@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .device import compute_major, num_sms
-from .lowbit_attention import _to_e4m3
+from .lowbit_attention import _to_e4m3, quantize_e4m3_rows
 
 __all__ = ["flash_attention_forward", "flash_attention_backward"]
 
@@ -652,21 +652,21 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, K8T, KS, t_
     dq_s = tl.full([], 1.0 if FP8 == 0 else 0.0, tl.float32)  # FP8: dq * dq_s is the sum
     lo, a, bb, hi = _key_ranges(m0, m0 + BLOCK_M - 1, seqlen_k, diag, window_left, window_right, BLOCK_N,
                                 HAS_LEFT, HAS_RIGHT)
-    dq, dq_s = _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
-                       lo, a, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                       K8T_ptr, KS + kv_head, t_k0, t_k_pad, n_kv_heads,
-                       D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                       UPCAST, PREC, FP8)
-    dq, dq_s = _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
-                       a, bb, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                       K8T_ptr, KS + kv_head, t_k0, t_k_pad, n_kv_heads,
-                       D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                       UPCAST, PREC, FP8)
-    dq, dq_s = _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
-                       bb, hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                       K8T_ptr, KS + kv_head, t_k0, t_k_pad, n_kv_heads,
-                       D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                       UPCAST, PREC, FP8)
+    dq, dq_s = _bwd_dq_inner(
+        dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, lo, a, seqlen_k,
+        diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
+        n_kv_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8)
+    dq, dq_s = _bwd_dq_inner(
+        dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, a, bb, seqlen_k,
+        diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
+        n_kv_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8)
+    dq, dq_s = _bwd_dq_inner(
+        dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, bb, hi, seqlen_k,
+        diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
+        n_kv_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8)
     dq = dq * (dq_s * sm_scale)
     tl.store(DQ + b64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqs + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -717,9 +717,7 @@ def _config(kind: str, block_d: int, decode: bool = False):
     if kind == "fwd":
         return _FWD_DECODE_CONFIG if decode else _FWD_CONFIGS[block_d]
     if kind.endswith("_fp8"):
-        kind = kind[:-4]
-        if block_d in _BWD_FP8_CONFIGS:
-            return _BWD_FP8_CONFIGS[block_d]
+        return _BWD_FP8_CONFIGS[block_d]
     return (_DKDV_CONFIGS if kind == "dkdv" else _DQ_CONFIGS)[block_d]
 
 
@@ -926,8 +924,6 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     fp8 = (q,) * 4 + (0,)  # dkdv: Q8T, QS, DO8T, DOS, t_q_pad (unused without fp8_products)
     fp8_k = (q, q, 0)  # dq: K8T, KS, t_k_pad
     if fp8_products:
-        from .lowbit_attention import quantize_e4m3_rows
-
         common["FP8"] = 2 if _interpreting() else 1
         (q8t, qs), (do8t, dos), (k8t, ks) = (quantize_e4m3_rows(x, "fp8", transpose=True) for x in (q, dout, k))
         fp8 = (q8t, qs, do8t, dos, q8t.shape[-1])
