@@ -5,6 +5,7 @@ the float reference and the unfused model, under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -206,6 +207,22 @@ def test_moved_tensors_are_stored_back_to_back_again(concat_calls):
         torch.testing.assert_close(moved, plain(ids).logits, rtol=1e-2, atol=1e-2)
         model(ids)
     assert len(concat_calls) == 8
+
+
+def test_group_that_cannot_be_restored_runs_unfused_with_a_warning(caplog, concat_calls):
+    """One layer of a group converted to another dtype since fusing: the group cannot be stored back to back again;
+    one warning, each layer on its own (the other groups stay fused), same logits as without fusing."""
+    model = _quantized("llama", intermediate_size=256)
+    plain = copy.deepcopy(model)
+    hf_fastpath.fuse_projections(model)
+    for m in (model, plain):
+        m.model.layers[0].self_attn.k_proj.to(BF16)
+    ids, _ = random_batch(batch=1, seq=5)
+    qlinear._warned.discard("siblings-refused")
+    with w4a16_backend("kernel"), torch.no_grad(), caplog.at_level(logging.WARNING):
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-3, atol=1e-3)
+    assert "can no longer be stored back to back" in caplog.text
+    assert concat_calls == [2, 3, 2]  # layer 0: gate/up only
 
 
 def test_quantizer_fuses_what_it_loads(tmp_path, monkeypatch, concat_calls):

@@ -489,10 +489,10 @@ def fuse_siblings(layers) -> bool:
 class ConcatForward:
     """Computes 2-3 sibling layers (`fuse_siblings`) for one input in one kernel launch: `group(layers, x)` returns
     their outputs (views into one [..., sum N] tensor), or None where that does not apply (each layer then runs
-    on its own): more than CONCAT_MAX_M rows, autograd, no kernel route, scales of another dtype, or layers no
-    longer back to back (`model.to(...)` re-allocates buffers; a one-time warning says to fuse again). Eager
-    decoding calls it once per group and token, so it remembers (by weak reference) the buffers it last found
-    back to back instead of re-checking their addresses every call."""
+    on its own): more than CONCAT_MAX_M rows, autograd, no kernel route, scales of another dtype, or layers that
+    can no longer be stored back to back (after `model.to(...)` re-allocated their buffers one by one, the first
+    call stores them back to back again). Eager decoding calls it once per group and token, so it remembers (by
+    weak reference) the buffers it last found back to back instead of re-checking their addresses every call."""
 
     def __init__(self):
         self._checked: tuple = ()  # weak references to the 3 buffers of each layer, last found back to back
@@ -512,18 +512,19 @@ class ConcatForward:
         if torch.compiler.is_compiling():
             y = _w4a16_concat_op(x2.contiguous(), *map(list, zip(*parts)), first._effective_group_size)
         else:
-            if not self._still_back_to_back(layers, parts):
+            parts = self._back_to_back(layers, parts)
+            if parts is None:
                 return None
-            parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
             y = kernels.w4a16_matmul_concat_rows(x2.contiguous(), parts, first._effective_group_size)
         outs = y.view(*x.shape[:-1], y.shape[1]).split([m.out_features for m in layers], dim=-1)
         return [out if m._parameters["bias"] is None else out + m._parameters["bias"].to(out.dtype)
                 for m, out in zip(layers, outs)]
 
-    def _still_back_to_back(self, layers, parts) -> bool:
+    def _back_to_back(self, layers, parts):
+        """parts, or the parts re-stored back to back (after `model.to(...)`), or None where that is refused."""
         flat = [t for part in parts for t in part]
         if len(flat) == len(self._checked) and all(ref() is t for ref, t in zip(self._checked, flat)):
-            return True
+            return parts
         if not _kernels().w4a16_back_to_back(parts):
             # model.to(...) re-allocated the tensors one by one: store them back to back again (a one-time copy
             # of this group; normal tensors even inside inference_mode, as when the model was loaded).
@@ -533,11 +534,12 @@ class ConcatForward:
                 _warn_once("siblings-refused", "W4A16 layers fused for one launch can no longer be stored back to "
                            "back (different devices or formats since): each runs on its own")
                 self._checked = ()
-                return False
+                return None
             logger.debug("W4A16 layers re-stored back to back after their tensors moved")
-            flat = [m._buffers[name] for m in layers for name in ("qweight", "scales", "zeros")]
+            parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
+            flat = [t for part in parts for t in part]
         self._checked = tuple(weakref.ref(t) for t in flat)
-        return True
+        return parts
 
 
 def _check_int_weight(weight: F.IntWeight, in_features: int, out_features: int, bits: int, group_size: int) -> None:
