@@ -6,8 +6,8 @@ Backward: straight-through: the FlashAttention backward on the unquantized input
 forward's out and lse, so training works and gradients are those of attention at the quantized output. Its
 products with P and dS (dV = P^T dO, dK = dS^T Q, dQ = dS K) run in the 16-bit dtype (default) or, with
 `backward="fp8"`, in e4m3 (what FP4 training on FP4 hardware needs): gradients within 3.6-3.7% (relative) of
-float64 on the H200, but 0.33-0.48x the 16-bit backward's speed there (the e4m3 P/dS operands go through a
-register layout change and the kernels spill; benchmarks/results/lowbit_attention_backward.json).
+float64 on the H200, but 0.33-0.48x the 16-bit backward's speed there (quantizing P and dS every step costs more
+than the FP8 tensor cores save; benchmarks/results/lowbit_attention_backward.json).
 
 Where the low-bit kernel cannot serve a call (sliding window, softcap, ALiBi, dropout) the call runs on the bf16
 `attention` with a one-time warning. On a CPU without TRITON_INTERPRET=1 a float emulation of the same quantized

@@ -686,9 +686,10 @@ _DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128
                  256: (64, 32, 4, 2)}
 _DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3),
                256: (64, 32, 4, 2)}
-# FP8 products: the e4m3 left operands (P, dS) go from the accumulator layout to the FP8 MMA's operand layout in
-# registers, and both kernels spill (offline SASS, Triton 3.6, hd 128: dK/dV 4 KB of stack per thread at the bf16
-# tiles, 1.5 KB at (64, 32, 4, 2); dQ 0.8 KB / 0.2 KB): the least-spilling tiles.
+# FP8 products (H200, benchmarks/results/lowbit_attention_backward.json): the tiles that spill least (offline SASS,
+# Triton 3.6, with the launch's divisibility hints: dK/dV 0.2 KB of stack per thread at hd 128, 2 KB at the bf16
+# tiles). The FP8 kernels are still 0.33-0.48x the bf16 ones: quantizing P and dS every step (absmax reductions,
+# divisions, conversions, a register-layout change for the FP8 operand) adds ~50% SASS to the dK/dV loop.
 _BWD_FP8_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2),
                     256: (32, 32, 4, 2)}
 _INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tiny test shape, quick to interpret
