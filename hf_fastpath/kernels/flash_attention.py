@@ -404,6 +404,17 @@ def _fp8_accumulate(acc, acc_scale, x, col_scale, b8, FP8: tl.constexpr):
 
 
 @triton.jit
+def _query_product(acc, acc_scale, x, b, BT8, SC, t0, offs_t, t_ok, offs_d, D: tl.constexpr, t_pad, n_heads,
+                   MASKED: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+    """acc (* acc_scale) += x @ b over the query rows offs_t (dV += P^T dO, dK += dS^T Q): in b's 16-bit dtype, or
+    with FP8 from b's transposed e4m3 copy BT8 and its scales SC."""
+    if FP8:
+        b8, b_s = _fp8_tile(BT8, SC, t0, offs_t, t_ok, offs_d, D, t_pad, n_heads, MASKED)
+        return _fp8_accumulate(acc, acc_scale, x, b_s, b8, FP8)
+    return tl.dot(x.to(b.dtype), b, acc, input_precision=PREC), acc_scale
+
+
+@triton.jit
 def _bwd_dkdv_inner(dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, stride_dos, stride_ls,
                     offs_n, offs_dk, offs_dv, start, end, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap,
                     slope, window_left, window_right, Q8T_ptr, QS_ptr, DO8T_ptr, DOS_ptr, t_q0, t_q_pad, n_heads,
@@ -459,22 +470,14 @@ def _bwd_dkdv_inner(dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, 
             if HAS_LEFT:
                 keep = keep & (offs_n[:, None] >= offs_m[None, :] + diag - window_left)
             p_t = tl.where(keep, p_t, 0.0)
-        if FP8:
-            do8, do_s = _fp8_tile(DO8T_ptr, DOS_ptr, t_q0, offs_m, offs_m < seqlen_q, offs_dv, D_V, t_q_pad, n_heads,
-                                  MASKED)
-            dv, dv_s = _fp8_accumulate(dv, dv_s, p_t, do_s, do8, FP8)
-        else:
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+        dv, dv_s = _query_product(dv, dv_s, p_t, do, DO8T_ptr, DOS_ptr, t_q0, offs_m, offs_m < seqlen_q, offs_dv, D_V,
+                                  t_q_pad, n_heads, MASKED, PREC, FP8)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - t * t)
-        if FP8:
-            q8, q_s = _fp8_tile(Q8T_ptr, QS_ptr, t_q0, offs_m, offs_m < seqlen_q, offs_dk, D_QK, t_q_pad, n_heads,
-                                MASKED)
-            dk, dk_s = _fp8_accumulate(dk, dk_s, ds_t, q_s, q8, FP8)
-        else:
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+        dk, dk_s = _query_product(dk, dk_s, ds_t, q, Q8T_ptr, QS_ptr, t_q0, offs_m, offs_m < seqlen_q, offs_dk, D_QK,
+                                  t_q_pad, n_heads, MASKED, PREC, FP8)
     return dk, dv, dk_s, dv_s
 
 
