@@ -225,6 +225,20 @@ def test_group_that_cannot_be_restored_runs_unfused_with_a_warning(caplog, conca
     assert concat_calls == [2, 3, 2]  # layer 0: gate/up only
 
 
+def test_input_on_another_device_is_left_to_the_layers(concat_calls):
+    """An input that is not on the weights' device (a device-map hook inside a layer would move it) gets no
+    one-launch result: the layers take it one by one."""
+    model = _quantized("llama", intermediate_size=256)
+    hf_fastpath.fuse_projections(model)
+    attn = model.model.layers[0].self_attn
+    layers = [attn.q_proj, attn.k_proj, attn.v_proj]
+    group = getattr(attn, fused_projections._GROUP_ATTR)
+    with w4a16_backend("kernel"), torch.no_grad():
+        assert group.compute(layers, torch.zeros(1, 2, 128, dtype=F16, device="meta")) is None
+        assert group.compute(layers, torch.zeros(1, 2, 128, dtype=F16)) is not None
+    assert concat_calls == [3]
+
+
 def test_quantizer_fuses_what_it_loads(tmp_path, monkeypatch, concat_calls):
     """from_pretrained of a 4-bit Llama checkpoint runs q/k/v and gate/up as one launch each, unless
     HF_FASTPATH_FUSE_PROJECTIONS=0."""

@@ -507,7 +507,9 @@ class ConcatForward:
                 or not first._use_kernel(x2):
             return None
         parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
-        if parts[0][1].dtype != x2.dtype:
+        # (an input not yet on the weights' device, e.g. before a device-map hook inside a layer moves it: the layers
+        # take it one by one)
+        if parts[0][1].dtype != x2.dtype or parts[0][0].device != x2.device:
             return None
         if torch.compiler.is_compiling():
             y = _w4a16_concat_op(x2.contiguous(), *map(list, zip(*parts)), first._effective_group_size)
