@@ -258,3 +258,78 @@ def test_kernel_rotates_its_output_back():
         kla.lowbit_flash_forward(*kla.quantize_e4m3_rows(x48, "fp8"), *kla.quantize_e4m3_rows(x48, "fp8"),
                                  *kla.quantize_e4m3_rows(x48, "fp8", transpose=True), rotate=True,
                                  cu_seqlens_q=cu5, cu_seqlens_k=cu5, max_seqlen_q=5)
+
+
+# Native FP4 Q.K^T: packed MXFP4 codes through `tl.dot_scaled` (FP4 tensor cores on sm_100+)
+
+
+def _mx_inputs(q, k, v):
+    (qc, qb), (kc, kb) = lowbit._packed_mxfp4(q), lowbit._packed_mxfp4(k)
+    vt8, vs = kla.quantize_e4m3_rows(v, "mxfp4", transpose=True)
+    return qc, qb, kc, kb, vt8, vs
+
+
+@pytest.mark.parametrize("causal,sq,sk,h,hkv,d", [(True, 70, 70, 2, 1, 64), (False, 33, 90, 2, 2, 32),
+                                                  (True, 20, 77, 4, 2, 128), (True, 50, 9, 2, 1, 32)])
+def test_native_fp4_scores_equal_the_fp8_container_path(causal, sq, sk, h, hkv, d):
+    """The block-scaled FP4 dot and the e4m3 containers hold the same values: the same attention, rows that see
+    no key (more queries than keys, causal) included."""
+    torch.manual_seed(sq + d)
+    q, k, v = torch.randn(sq, h, d), torch.randn(sk, hkv, d), torch.randn(sk, hkv, d)
+    cq, ck = torch.tensor([0, sq], dtype=torch.int32), torch.tensor([0, sk], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=sq, causal=causal, out_dtype=torch.float32)
+    qc, qb, kc, kb, vt8, vs = _mx_inputs(q, k, v)
+    out, lse = kla.lowbit_flash_forward(qc, qb, kc, kb, vt8, vs, **kw)
+    (q8, qs), (k8, ks) = (lowbit.quantize_for_attention(x, "mxfp4") for x in (q, k))
+    ref, ref_lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+    if causal and sq > sk:
+        assert torch.equal(out[:sq - sk], torch.zeros_like(out[:sq - sk]))
+        assert torch.isinf(lse[:, :sq - sk]).all()
+
+
+def test_native_fp4_keeps_blocks_far_below_the_row_maximum():
+    """E4M3 containers lose a block 2**-8 below the row's largest; the block-scaled dot keeps it: its scores equal
+    the dequantized codes' exact products."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(16, 1, 64), torch.randn(40, 1, 64), torch.randn(40, 1, 64)
+    k[:, :, 32:] *= 1e-4  # the second block of every key
+    q[:, :, :32] = 0.0  # only that block contributes to the scores
+    cu_q, cu_k = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16, causal=False, out_dtype=torch.float32,
+              softmax_scale=2e4)
+    _, lse = kla.lowbit_flash_forward(*_mx_inputs(q, k, v), **kw)
+    (q8, qs), (k8, ks), (vt8, vs) = (*(lowbit.quantize_for_attention(x, "mxfp4") for x in (q, k)),
+                                     kla.quantize_e4m3_rows(v, "mxfp4", transpose=True))
+    _, lse_containers = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, **kw)
+    exact = [lq.dequantize_rows(lq.quantize_rows(x, "mxfp4")).double()[:, 0] for x in (q, k)]
+    s = exact[0] @ exact[1].t() * 2e4
+    torch.testing.assert_close(lse[0].double(), torch.logsumexp(s, -1), atol=1e-5, rtol=1e-6)
+    assert (lse_containers[0].double() - torch.logsumexp(s, -1)).abs().max() > 1e-2
+
+
+def test_fp4_mma_choices(caplog):
+    """`fp4_mma`: "native" and "fp8" agree through the public API (rotation, GQA, batches); "auto" is "fp8" on a CPU;
+    formats without a native path warn and run on FP8 tensor cores."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 30, 4, 64), torch.randn(2, 30, 2, 64), torch.randn(2, 30, 2, 64)
+    native = lowbit.fp4_attention(q, k, v, causal=True, fp4_mma="native")
+    fp8 = lowbit.fp4_attention(q, k, v, causal=True, fp4_mma="fp8")
+    torch.testing.assert_close(native, fp8, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lowbit.fp4_attention(q, k, v, causal=True), fp8, atol=0, rtol=0)
+    assert not lowbit._native_fp4_qk("auto", "mxfp4", q)
+    lowbit._WARNED.clear()
+    with caplog.at_level(logging.WARNING):
+        nv = lowbit.fp4_attention(q, k, v, fmt="nvfp4", causal=True, fp4_mma="native")
+    assert "built for MXFP4 Q/K" in caplog.text
+    assert torch.equal(nv, lowbit.fp4_attention(q, k, v, fmt="nvfp4", causal=True))
+    with pytest.raises(ValueError, match="fp4_mma"):
+        lowbit.fp4_attention(q, k, v, fp4_mma="fp4")
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        kla.lowbit_flash_forward(*_mx_inputs(*(torch.randn(4, 1, 96) for _ in range(3))), cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu, max_seqlen_q=4)
+    qc, qb, kc, kb, vt8, vs = _mx_inputs(*(torch.randn(4, 1, 64) for _ in range(3)))
+    with pytest.raises(ValueError, match="block scales"):
+        kla.lowbit_flash_forward(qc, qb[..., :1], kc, kb, vt8, vs, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4)

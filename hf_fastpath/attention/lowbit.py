@@ -50,6 +50,29 @@ def _resolve_p_fp4(p_format: str, device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
 
 
+def _native_fp4_qk(fp4_mma: str, qk_fmt: str, q: torch.Tensor) -> bool:
+    """Whether Q.K^T runs as a block-scaled FP4 dot (`tl.dot_scaled`) on packed MXFP4 Q/K."""
+    if fp4_mma not in ("auto", "native", "fp8"):
+        raise ValueError(f"fp4_mma must be 'auto', 'native' or 'fp8', got {fp4_mma!r}")
+    d = q.shape[-1]
+    if fp4_mma == "fp8" or qk_fmt != "mxfp4" or d < 32 or d & (d - 1):
+        if fp4_mma == "native" and qk_fmt != "fp8":
+            _warn_once(f"fp4mma:{qk_fmt}:{d}", f"native FP4 tensor-core attention is built for MXFP4 Q/K with a "
+                                               f"power-of-two head dim >= 32 (got {qk_fmt}, head dim {d}); Q.K^T runs "
+                                               "on FP8 tensor cores instead")
+        return False
+    if fp4_mma == "native":
+        return True
+    return q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 10
+
+
+def _packed_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., H, D]` -> (codes uint8 `[T, H, D/2]`, E8M0 block scales uint8 `[T, H, D/32]`)."""
+    qr = lq.quantize_rows(x, "mxfp4", check=False)
+    h, d = x.shape[-2], x.shape[-1]
+    return qr.data.reshape(-1, h, d // 2).contiguous(), qr.block_scale.reshape(-1, h, d // 32).contiguous()
+
+
 def quantize_for_attention(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`[..., D]` -> `(e4m3 [..., D], fp32 scale [...])`: fp8 per token, or FP4 values in e4m3 containers."""
     if fmt == "fp8":
@@ -59,21 +82,23 @@ def quantize_for_attention(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, tor
     return q8.contiguous(), s.contiguous()
 
 
-def _forward(q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False):
+def _forward(q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, native_fp4=False):
     """Raw forward: `(out, lse)` in the layouts of `reference.attention_forward`. Q and K use `qk_fmt` when given.
     `rotate`: Q, K, V times the orthonormal Hadamard matrix before quantizing (fused into the quantizer where it
-    can be), the output times its inverse (itself) after."""
+    can be), the output times its inverse (itself) after. `native_fp4`: Q/K packed MXFP4 and Q.K^T on FP4 tensor
+    cores (see `lowbit_attention`'s `fp4_mma`)."""
     qk_fmt = qk_fmt or fmt
     varlen = kw["cu_seqlens_q"] is not None
     h = hadamard(q.shape[-1], q.device, q.dtype) if rotate else None
     fused = rotate and interface.use_triton(q) and kla.can_fuse_rotation(q.shape[-1])
     if rotate and not fused:
         q, k, v = q @ h, k @ h, v @ h
-    out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen)
+    out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, h if native_fp4 and fused else None,
+                                native_fp4)
     return (out @ h if rotate and not fused else out), lse  # the fused kernel rotates its output back itself
 
 
-def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen):
+def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, qk_rotation=None, native_fp4=False):
     if interface.use_triton(q):
         if varlen:
             cu_q, cu_k = kw["cu_seqlens_q"].to(torch.int32), kw["cu_seqlens_k"].to(torch.int32)
@@ -83,8 +108,12 @@ def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen):
             cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
             cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
             max_q = sq
-        q8, qs = kla.quantize_e4m3_rows(q, qk_fmt, rotate=fused)
-        k8, ks = kla.quantize_e4m3_rows(k, qk_fmt, rotate=fused)
+        if native_fp4:  # packed codes for the block-scaled dot (torch quantizer: Q/K rotated here when fused)
+            q8, qs = _packed_mxfp4(q if qk_rotation is None else q @ qk_rotation)
+            k8, ks = _packed_mxfp4(k if qk_rotation is None else k @ qk_rotation)
+        else:
+            q8, qs = kla.quantize_e4m3_rows(q, qk_fmt, rotate=fused)
+            k8, ks = kla.quantize_e4m3_rows(k, qk_fmt, rotate=fused)
         vt8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True, rotate=fused)
         out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, cu_seqlens_q=cu_q,
                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],
@@ -129,8 +158,8 @@ def _packed_decode(q, k, v, softmax_scale, return_lse):
 
 class _LowBitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, fp8_backward=False):
-        out, lse = _forward(q, k, v, fmt, p_fp4, kw, qk_fmt, rotate)
+    def forward(ctx, q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, fp8_backward=False, native_fp4=False):
+        out, lse = _forward(q, k, v, fmt, p_fp4, kw, qk_fmt, rotate, native_fp4)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kw = kw
         ctx.fp8_backward = fp8_backward
@@ -150,7 +179,7 @@ class _LowBitAttention(torch.autograd.Function):
                 _warn_once("fp8-backward-cpu", "the FP8 attention backward needs the Triton kernels (a CUDA GPU, or "
                                                "TRITON_INTERPRET=1 on the CPU): this backward runs in full precision")
             dq, dk, dv = interface.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _HADAMARD: dict = {}
@@ -170,7 +199,7 @@ def hadamard(d: int, device, dtype) -> torch.Tensor:
 def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal=False, softmax_scale=None,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False, backend="auto",
-                     dropout_p=0.0, qk_format=None, backward="auto"):
+                     dropout_p=0.0, qk_format=None, backward="auto", fp4_mma="auto"):
     """Attention with Q/K/V (and P) in `fmt` ("fp8", "mxfp4", "nvfp4"); arguments as `hf_fastpath.attention`.
     `p_format`: "fp8", "fp4", or "auto" (FP4 P only on GPUs with FP4 tensor cores, sm_100+; FP8 P otherwise).
     `rotate`: multiply Q, K, V by an orthonormal Hadamard matrix along the head dim before quantizing (and the output
@@ -180,7 +209,11 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
     `qk_format`: quantize Q and K in this format instead of `fmt` (e.g. "fp8" with an FP4 `fmt`: FP4 keys cost
     most of FP4 attention's error, FP4 values little; see benchmarks/results/lowbit_accuracy.json).
     `backward`: "bf16" (the products with P and dS in the inputs' 16-bit dtype; "auto" is this) or "fp8" (in e4m3:
-    slower on Hopper, see the module docstring). Both are straight-through."""
+    slower on Hopper, see the module docstring). Both are straight-through.
+    `fp4_mma`, for MXFP4 Q/K: "native" computes Q.K^T from the packed codes as one block-scaled FP4 dot
+    (`tl.dot_scaled`: FP4 tensor cores on sm_100+; on Hopper Triton emulates it through bf16, slower), "fp8" feeds
+    the FP4 values to FP8 tensor cores in e4m3 containers, "auto" picks native on sm_100+. Same numbers up to fp32
+    summation order (the containers drop blocks 2**8 below a row's largest). P.V stays FP8 either way."""
     if fmt not in lq.FORMATS:
         raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
     if backward not in ("auto", "fp8", "bf16"):
@@ -228,8 +261,9 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=0.0, alibi_slopes=None)
     rotate = bool(rotate) and d >= 16 and d & (d - 1) == 0
+    native_fp4 = _native_fp4_qk(fp4_mma, qk_format or fmt, q)
     out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw, qk_format, rotate,
-                                      fp8_backward)
+                                      fp8_backward, native_fp4)
     return (out, lse) if return_lse else out
 
 

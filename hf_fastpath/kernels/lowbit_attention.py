@@ -11,8 +11,10 @@ token's output, and prefill equals token-by-token decode up to rounding):
   e4m3. P' is rounded to e4m3 (or, with `p_fp4`, to E2M1 with one power-of-two scale per 32 keys, held exactly in
   e4m3) and fed to the FP8 tensor cores.
 - FP4 Q/K/V are handed to this kernel already expanded into e4m3 containers (`lowbit_quant.fp4_rows_to_e4m3`):
-  every E2M1 value is exact in e4m3, so FP4 numerics run on Hopper's FP8 tensor cores. (On Hopper `tl.dot_scaled`
-  is emulated through bf16 and would be slower; native FP4 MMA needs sm_100.)
+  every E2M1 value is exact in e4m3, so FP4 numerics run on Hopper's FP8 tensor cores. Or (QK_MX) Q and K come
+  packed in MXFP4 (codes + E8M0 scales per 32) and Q.K^T is one `tl.dot_scaled` per key block: on sm_100 Triton 3.6
+  builds it as `tcgen05.mma kind::mxf4` (FP4 tensor cores; read off an offline compile: no Blackwell GPU was at
+  hand to time it), on Hopper it emulates it through bf16 (slower: the containers stay the default there).
 - V is passed transposed (`[Hkv, D, T]`, tokens contiguous): Hopper's FP8 MMA wants its second operand K-major.
 - `lowp=False` runs the same kernel on bf16/fp16 operands with unit scales (our bf16 baseline).
 
@@ -92,24 +94,46 @@ def _round_e4m3_nonneg(x):
 
 
 @triton.jit
-def _k_scores(q, K, k_start, k_len, hk, start_n, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr):
-    """Raw Q.K^T of one key block (K tile by TMA, or pointer loads)."""
-    if USE_TMA:  # rows past the sequence are other tokens or zeros; the caller masks their scores
-        k = K.load([k_start + start_n, hk * D])
-    else:
+def _k_scores(q, qb, K, KB, k_start, k_len, hk, start_n, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr,
+              QK_MX: tl.constexpr):
+    """Raw Q.K^T of one key block (K tile by TMA, or pointer loads). QK_MX: q and K are packed MXFP4 (two E2M1
+    codes a byte, E8M0 scale per 32 along the head dim, `qb` / KB) and the product is one block-scaled dot
+    (`tl.dot_scaled`: FP4 tensor cores on sm_100+; Triton emulates it elsewhere)."""
+    if QK_MX:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D_PAD)
-        k_ptrs = K + ((k_start + offs_n)[:, None] * HKV + hk) * D + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=(offs_n < k_len)[:, None] & (offs_d < D)[None, :], other=0.0)
-        elif D == D_PAD:
-            k = tl.load(k_ptrs)
+        rows = (k_start + offs_n) * HKV + hk
+        offs_c = tl.arange(0, D // 2)
+        offs_b = tl.arange(0, D // 32)
+        if MASKED:  # code 0 / exponent 127: zero scores, masked by the caller anyway
+            ok = (offs_n < k_len)[:, None]
+            k = tl.load(K + rows[:, None] * (D // 2) + offs_c[None, :], mask=ok, other=0)
+            kb = tl.load(KB + rows[:, None] * (D // 32) + offs_b[None, :], mask=ok, other=127)
         else:
-            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-    if EMULATE:
-        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-    return tl.dot(q, tl.trans(k))
+            k = tl.load(K + rows[:, None] * (D // 2) + offs_c[None, :])
+            kb = tl.load(KB + rows[:, None] * (D // 32) + offs_b[None, :])
+        # A zero accumulator that Triton cannot prove constant: with none (or a literal zero), Triton 3.6's
+        # accumulator-init pass fails to build this dot inside a loop for sm_100 (offline compile).
+        zero = tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32) + start_n * 0.0
+        qk = tl.dot_scaled(q, qb, "e2m1", tl.trans(k), kb, "e2m1", acc=zero)
+    else:  # (one return at the end: Triton 3.6 compiles the code after an early return too)
+        if USE_TMA:  # rows past the sequence are other tokens or zeros; the caller masks their scores
+            k = K.load([k_start + start_n, hk * D])
+        else:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            offs_d = tl.arange(0, D_PAD)
+            k_ptrs = K + ((k_start + offs_n)[:, None] * HKV + hk) * D + offs_d[None, :]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=(offs_n < k_len)[:, None] & (offs_d < D)[None, :], other=0.0)
+            elif D == D_PAD:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        if EMULATE:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            qk = tl.dot(q, tl.trans(k))
+    return qk
 
 
 @triton.jit
@@ -157,14 +181,15 @@ def _token_scales(KS, VS, k_start, k_len, hk, start_n, T_S, HKV: tl.constexpr, B
 def _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n, offs_m, diag, T_K_PAD,
                 HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOWP: tl.constexpr,
-                SCALED: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr):
+                SCALED: tl.constexpr, P_FP4: tl.constexpr, EMULATE: tl.constexpr, USE_TMA: tl.constexpr,
+                K_SCALED: tl.constexpr):
     """Online softmax and P.V of one key block, given its raw scores `qk` and token scales. Per element of the
     [BLOCK_M, BLOCK_N] tile the FP8 path costs one multiply by the key scale, the row max, one FMA (row scale, max
     and V normaliser), exp2, the row sum, one multiply by the V scale and the e4m3 cast: at FP8 MMA rates every extra
     op shows. Nothing here reduces across warps."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     col_ok = offs_n < k_len
-    if SCALED:
+    if K_SCALED:
         t = qk * ks[None, :]
     else:
         t = qk
@@ -236,10 +261,11 @@ def _prefix_max_kernel(VS, OUT, CU_K, HKV: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, HAD, qk_scale, rot_scale, T_K_PAD, T_Q, T_S,
+def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, HAD, QB, KB, qk_scale, rot_scale, T_K_PAD,
+                       T_Q, T_S,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        CAUSAL: tl.constexpr, LOWP: tl.constexpr, SCALED: tl.constexpr, P_FP4: tl.constexpr,
-                       ROTATE: tl.constexpr,
+                       ROTATE: tl.constexpr, QK_MX: tl.constexpr,
                        EMULATE: tl.constexpr, USE_TMA: tl.constexpr, SCALE_LOAD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -259,11 +285,22 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, HAD, qk_s
         offs_d = tl.arange(0, D_PAD)
         row_ok = offs_m < q_len
         d_ok = offs_d < D
-        q = tl.load(Q + ((q_start + offs_m)[:, None] * H + h) * D + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if QK_MX:  # packed codes and E8M0 block scales (D is a power of two >= 32: no padding)
+            q_rows = (q_start + offs_m) * H + h
+            q = tl.load(Q + q_rows[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :], mask=row_ok[:, None],
+                        other=0)
+            qb = tl.load(QB + q_rows[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :], mask=row_ok[:, None],
+                         other=127)
+        else:
+            q = tl.load(Q + ((q_start + offs_m)[:, None] * H + h) * D + offs_d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            qb = q  # unused
         diag = k_len - q_len  # query i sees key j iff j <= i + diag (bottom-right aligned)
         if SCALED:
-            qs = tl.load(QS + (q_start + offs_m) * H + h, mask=row_ok, other=1.0) * qk_scale
+            if QK_MX:  # the block scales carry all of Q's and K's scale: no per-token factors
+                qs = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+            else:
+                qs = tl.load(QS + (q_start + offs_m) * H + h, mask=row_ok, other=1.0) * qk_scale
             # P is scaled by 256 / (largest V scale among the keys the row sees, a prefix max: causally safe), so
             # P * v_scale <= 256 fits e4m3; the floor keeps 2**lv and the row sum finite for all-zero V
             last = tl.minimum(offs_m + diag, k_len - 1) if CAUSAL else tl.zeros_like(offs_m) + (k_len - 1)
@@ -290,18 +327,20 @@ def _lowbit_fwd_kernel(Q, QS, K, KS, VT, VS, VMAX, O, LSE, CU_Q, CU_K, HAD, qk_s
             if SCALED:
                 ks, vs = _token_scales(KS, VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, False, SCALE_LOAD,
                                        EMULATE)
-            qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE, USE_TMA)
+            qk = _k_scores(q, qb, K, KB, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, False, EMULATE,
+                           USE_TMA, QK_MX)
             acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n, offs_m,
                                         diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, False, CAUSAL, LOWP, SCALED,
-                                        P_FP4, EMULATE, USE_TMA)
+                                        P_FP4, EMULATE, USE_TMA, SCALED and not QK_MX)
         for start_n in tl.range(full, hi, BLOCK_N):
             if SCALED:
                 ks, vs = _token_scales(KS, VS, k_start, k_len, hk, start_n, T_S, HKV, BLOCK_N, True, SCALE_LOAD,
                                        EMULATE)
-            qk = _k_scores(q, K, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, True, EMULATE, USE_TMA)
+            qk = _k_scores(q, qb, K, KB, k_start, k_len, hk, start_n, HKV, D, D_PAD, BLOCK_N, True, EMULATE,
+                           USE_TMA, QK_MX)
             acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, ks, vs, qs, lv, VT, k_start, k_len, hk, start_n, offs_m,
                                         diag, T_K_PAD, HKV, D, D_PAD, BLOCK_M, BLOCK_N, True, CAUSAL, LOWP, SCALED,
-                                        P_FP4, EMULATE, USE_TMA)
+                                        P_FP4, EMULATE, USE_TMA, SCALED and not QK_MX)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]  # acc and l both carry the factor 2**lv
         if ROTATE:  # back from the rotated basis (H is its own inverse up to rot_scale**2), as out @ H would do
@@ -539,30 +578,51 @@ def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, c
                          causal=False, softmax_scale=None, p_fp4=False, out_dtype=torch.bfloat16, rotate=False):
     """Triton forward. q `[Tq,H,D]`, k `[Tk,Hkv,D]`, vt `[Hkv,D,Tk_pad]` (e4m3 with fp32 `[T,H]` scales, or bf16/fp16
     with scales None); cu_seqlens int32 `[B+1]`. Returns out `[Tq,H,D]` (out_dtype) and lse `[H,Tq]` fp32.
+    Packed MXFP4 Q and K (`lowbit_quant.quantize_rows(x, "mxfp4")`): q `[Tq,H,D/2]` and k `[Tk,Hkv,D/2]` uint8 codes
+    with their E8M0 block scales `[T,H,D/32]` as q_scale / k_scale (D a power of two >= 32); Q.K^T is then one
+    block-scaled FP4 dot (`tl.dot_scaled`) per key block, P.V stays FP8 (vt e4m3).
     `rotate`: q, k and v were quantized in the Hadamard-rotated basis (`quantize_e4m3_rows(..., rotate=True)`);
     the kernel rotates its output back before storing it, as `out @ H` would (a power-of-two head dim >= 32):
     one pass over the output fewer, 2-3% of the call at hd 128 on the H200. (Quantizing a 16-bit q in the kernel
     as well was slower there: the Q rotation raised shared memory from 110 to 134 KB, one program per SM instead
     of two; 0.97 vs 0.73 ms at 4k causal. Building the +-1 matrix in registers from index parity instead of
     loading it was slower too: 0.76 vs 0.73 ms.)"""
-    lowp = q.dtype == torch.float8_e4m3fn
+    qk_mx = q.dtype == torch.uint8
+    lowp = q.dtype == torch.float8_e4m3fn or qk_mx
     if lowp and (q_scale is None or k_scale is None or v_scale is None):
         raise ValueError("e4m3 inputs need q_scale, k_scale and v_scale")
-    d = q.shape[-1]
+    d = vt.shape[1]
+    if qk_mx:
+        _check_mx_operands(q, q_scale, k, k_scale, d, vt.dtype)
     if rotate and (d < 32 or d & (d - 1)):
         raise ValueError(f"rotate needs a power-of-two head dim >= 32, got {d}")
     return _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
                    softmax_scale, p_fp4, out_dtype, rotate)
 
 
+def _check_mx_operands(q, q_blocks, k, k_blocks, d, v_dtype):
+    if d < 32 or d & (d - 1):
+        raise ValueError(f"packed MXFP4 Q/K need a power-of-two head dim >= 32, got {d}")
+    if v_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"packed MXFP4 Q/K go with an e4m3 V, got {v_dtype}")
+    for name, x, xb in (("q", q, q_blocks), ("k", k, k_blocks)):
+        if x.dtype != torch.uint8 or x.shape[-1] != d // 2 or xb.dtype != torch.uint8 or \
+                tuple(xb.shape) != (*x.shape[:-1], d // 32):
+            raise ValueError(f"packed MXFP4 {name} must be uint8 [T, heads, {d // 2}] with uint8 E8M0 block scales "
+                             f"[T, heads, {d // 32}]; got {name} {x.dtype} {tuple(x.shape)}, scales "
+                             f"{xb.dtype} {tuple(xb.shape)}")
+
+
 def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale,
             p_fp4, out_dtype, rotate=False):
     """`lowbit_flash_forward`; e4m3 inputs without scales run with unit scales (benchmarks time the scale work)."""
-    tq, h, d = q.shape
+    tq, h = q.shape[:2]
+    d = vt.shape[1]
     hkv = k.shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
-    lowp = q.dtype == torch.float8_e4m3fn
+    qk_mx = q.dtype == torch.uint8
+    lowp = q.dtype == torch.float8_e4m3fn or qk_mx
     scaled = lowp and q_scale is not None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if not scale > 0:  # the kernel takes the row max before scaling
@@ -586,13 +646,17 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
     def launch(k_arg, ks_arg, v_arg, vs_arg, tma, scale_load, t_s):
         _lowbit_fwd_kernel[grid](
             q, q_scale if scaled else dummy, k_arg, ks_arg, v_arg, vs_arg, vmax, out, lse,
-            cu_seqlens_q, cu_seqlens_k, had, scale * LOG2E, 1.0 / math.sqrt(d), vt.shape[-1], tq, t_s,
+            cu_seqlens_q, cu_seqlens_k, had, q_scale if qk_mx else dummy, k_scale if qk_mx else dummy,
+            scale * LOG2E, 1.0 / math.sqrt(d), vt.shape[-1], tq, t_s,
             H=h, HKV=hkv, D=d, D_PAD=d_pad, CAUSAL=bool(causal), LOWP=lowp, SCALED=scaled,
-            P_FP4=bool(p_fp4) and lowp, ROTATE=bool(rotate), EMULATE=interpreting(), USE_TMA=tma,
+            P_FP4=bool(p_fp4) and lowp, ROTATE=bool(rotate), QK_MX=qk_mx, EMULATE=interpreting(), USE_TMA=tma,
             SCALE_LOAD=scale_load,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )
 
+    if qk_mx:  # K by pointer loads; the token-scale loader reads V's scales (K's are unused and dropped)
+        launch(k, v_scale, vt, v_scale, False, 0, 0)
+        return out, lse
     key = (d_pad, q.dtype, cfg)
     desc = None if key in _TMA_FAILED else _tma_descriptors(k, vt, d, d_pad, block_n)
     mode = _SCALE_MODES[cfg[4] if len(cfg) > 4 else SCALE_LOAD] if scaled else 0
