@@ -39,15 +39,17 @@ def _warn_once(key: str, msg: str) -> None:
         logger.warning(msg)
 
 
-def _resolve_p_fp4(p_format: str, device: torch.device) -> bool:
+def _resolve_p_fp4(p_format: str) -> bool:
     if p_format == "fp4":
         return True
     if p_format == "fp8":
         return False
     if p_format != "auto":
         raise ValueError(f"p_format must be 'auto', 'fp8' or 'fp4', got {p_format!r}")
-    # FP4 P only pays where the MMA itself is FP4 (sm_100+); on Hopper it would cost ALU and buy nothing.
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+    # FP4 P would pay only in an MMA whose both operands are block-scaled FP4 (sm_100's kind::mxf4). V's scales lie
+    # along the head dim (per token: causally safe), not along P.V's contraction, so V enters that MMA as e4m3 and
+    # an FP4 P would run at the FP8 rate anyway: it costs accuracy and ALU and buys nothing on any GPU.
+    return False
 
 
 def _native_fp4_qk(fp4_mma: str, qk_fmt: str, q: torch.Tensor) -> bool:
@@ -201,7 +203,8 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False, backend="auto",
                      dropout_p=0.0, qk_format=None, backward="auto", fp4_mma="auto"):
     """Attention with Q/K/V (and P) in `fmt` ("fp8", "mxfp4", "nvfp4"); arguments as `hf_fastpath.attention`.
-    `p_format`: "fp8", "fp4", or "auto" (FP4 P only on GPUs with FP4 tensor cores, sm_100+; FP8 P otherwise).
+    `p_format`: "fp8", "fp4" (P mapped to E2M1 with a power-of-two scale per 32 keys inside the softmax), or "auto"
+    (= "fp8": with V in e4m3 an FP4 P is no faster on any GPU, see `_resolve_p_fp4`).
     `rotate`: multiply Q, K, V by an orthonormal Hadamard matrix along the head dim before quantizing (and the output
     by its inverse): q.k and P.V are unchanged, outlier channels are spread over all channels, so the per-token
     scales waste less range (as FlashAttention-3's FP8 "incoherent processing"). Per token: still causally safe.
@@ -262,7 +265,7 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
               max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=0.0, alibi_slopes=None)
     rotate = bool(rotate) and d >= 16 and d & (d - 1) == 0
     native_fp4 = _native_fp4_qk(fp4_mma, qk_format or fmt, q)
-    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format, q.device), kw, qk_format, rotate,
+    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format), kw, qk_format, rotate,
                                       fp8_backward, native_fp4)
     return (out, lse) if return_lse else out
 
