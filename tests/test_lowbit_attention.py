@@ -1,6 +1,7 @@
 """FP8 / FP4 attention kernels (TRITON_INTERPRET=1 on CPU) against the float emulation and exact attention."""
 
 import logging
+import types
 
 import pytest
 import torch
@@ -333,3 +334,17 @@ def test_fp4_mma_choices(caplog):
     qc, qb, kc, kb, vt8, vs = _mx_inputs(*(torch.randn(4, 1, 64) for _ in range(3)))
     with pytest.raises(ValueError, match="block scales"):
         kla.lowbit_flash_forward(qc, qb[..., :1], kc, kb, vt8, vs, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4)
+
+
+def test_native_fp4_falls_back_on_gpus_without_fp4_tensor_cores(monkeypatch, caplog):
+    """Only the device and head dim of q matter for the choice: a stand-in for a CUDA tensor."""
+    cuda_q = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 4, 2, 64))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    lowbit._WARNED.clear()
+    with caplog.at_level(logging.WARNING):
+        assert not lowbit._native_fp4_qk("native", "mxfp4", cuda_q)
+        assert not lowbit._native_fp4_qk("auto", "mxfp4", cuda_q)
+    assert "no FP4 tensor cores" in caplog.text
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert lowbit._native_fp4_qk("auto", "mxfp4", cuda_q)
+    assert not lowbit._native_fp4_qk("auto", "nvfp4", cuda_q) and not lowbit._native_fp4_qk("fp8", "mxfp4", cuda_q)

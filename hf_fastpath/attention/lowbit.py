@@ -63,9 +63,14 @@ def _native_fp4_qk(fp4_mma: str, qk_fmt: str, q: torch.Tensor) -> bool:
                                                f"power-of-two head dim >= 32 (got {qk_fmt}, head dim {d}); Q.K^T runs "
                                                "on FP8 tensor cores instead")
         return False
-    if fp4_mma == "native":
-        return True
-    return q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 10
+    fp4_cores = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 10
+    if fp4_mma == "native" and q.device.type == "cuda" and not fp4_cores:
+        # Triton emulates the block-scaled dot there (through bf16: slower), and on the H200 (Triton 3.6) that
+        # emulation hit an illegal instruction for some shapes (hd 64, non-causal, 777 tokens)
+        _warn_once("fp4mma:emulated", "this GPU has no FP4 tensor cores: Q.K^T runs on FP8 tensor cores "
+                                      "(fp4_mma='native' is for sm_100+ GPUs, and the CPU interpreter)")
+        return False
+    return fp4_mma == "native" or fp4_cores
 
 
 def _packed_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +100,8 @@ def _forward(q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, native_fp4=Fals
     fused = rotate and interface.use_triton(q) and kla.can_fuse_rotation(q.shape[-1])
     if rotate and not fused:
         q, k, v = q @ h, k @ h, v @ h
-    out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, h if native_fp4 and fused else None,
-                                native_fp4)
+    qk_rotation = hadamard(q.shape[-1], q.device, torch.float32) if native_fp4 and fused else None
+    out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, qk_rotation, native_fp4)
     return (out @ h if rotate and not fused else out), lse  # the fused kernel rotates its output back itself
 
 
@@ -110,9 +115,10 @@ def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, qk_rotation
             cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
             cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
             max_q = sq
-        if native_fp4:  # packed codes for the block-scaled dot (torch quantizer: Q/K rotated here when fused)
-            q8, qs = _packed_mxfp4(q if qk_rotation is None else q @ qk_rotation)
-            k8, ks = _packed_mxfp4(k if qk_rotation is None else k @ qk_rotation)
+        if native_fp4:  # packed codes for the block-scaled dot (torch quantizer; Q/K rotated here, in fp32 as the
+            # fused quantizer does, when it rotates V)
+            q8, qs = _packed_mxfp4(q if qk_rotation is None else q.float() @ qk_rotation)
+            k8, ks = _packed_mxfp4(k if qk_rotation is None else k.float() @ qk_rotation)
         else:
             q8, qs = kla.quantize_e4m3_rows(q, qk_fmt, rotate=fused)
             k8, ks = kla.quantize_e4m3_rows(k, qk_fmt, rotate=fused)
@@ -214,9 +220,9 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
     `backward`: "bf16" (the products with P and dS in the inputs' 16-bit dtype; "auto" is this) or "fp8" (in e4m3:
     slower on Hopper, see the module docstring). Both are straight-through.
     `fp4_mma`, for MXFP4 Q/K: "native" computes Q.K^T from the packed codes as one block-scaled FP4 dot
-    (`tl.dot_scaled`: FP4 tensor cores on sm_100+; on Hopper Triton emulates it through bf16, slower), "fp8" feeds
-    the FP4 values to FP8 tensor cores in e4m3 containers, "auto" picks native on sm_100+. Same numbers up to fp32
-    summation order (the containers drop blocks 2**8 below a row's largest). P.V stays FP8 either way."""
+    (`tl.dot_scaled`: FP4 tensor cores on sm_100+; a GPU without them falls back to "fp8" with a one-time warning),
+    "fp8" feeds the FP4 values to FP8 tensor cores in e4m3 containers, "auto" picks native on sm_100+. Same numbers
+    up to fp32 summation order (the containers drop blocks 2**8 below a row's largest). P.V stays FP8 either way."""
     if fmt not in lq.FORMATS:
         raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
     if backward not in ("auto", "fp8", "bf16"):

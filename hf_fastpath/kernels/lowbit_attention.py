@@ -14,7 +14,8 @@ token's output, and prefill equals token-by-token decode up to rounding):
   every E2M1 value is exact in e4m3, so FP4 numerics run on Hopper's FP8 tensor cores. Or (QK_MX) Q and K come
   packed in MXFP4 (codes + E8M0 scales per 32) and Q.K^T is one `tl.dot_scaled` per key block: on sm_100 Triton 3.6
   builds it as `tcgen05.mma kind::mxf4` (FP4 tensor cores; read off an offline compile: no Blackwell GPU was at
-  hand to time it), on Hopper it emulates it through bf16 (slower: the containers stay the default there).
+  hand to time it); on Hopper Triton emulates it through bf16 (slower, and on the H200 it hit an illegal
+  instruction for one shape), so `fp4_attention` uses the containers there.
 - V is passed transposed (`[Hkv, D, T]`, tokens contiguous): Hopper's FP8 MMA wants its second operand K-major.
 - `lowp=False` runs the same kernel on bf16/fp16 operands with unit scales (our bf16 baseline).
 
