@@ -34,7 +34,9 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     each plane with its own group.
   * Large M (> 192): dequantize W once into a scratch tile and call cuBLAS. The fused kernel (64-row tiles, each
     re-dequantizing its weights) wins up to 192 rows on an H200 (1.1-2.4x dequantize + cuBLAS, whose x @ W
-    is slow at M = 128), loses from 256-384.
+    is slow at M = 128), loses from 256-384; with big tiles (up to 256 x 128, 8 warps) it stays <= 0.6x cuBLAS,
+    because ptxas serializes wgmmas whose A operand comes from registers (a wait after each), so the unpack
+    never overlaps the MMA (session 9, benchmarks/results/w4a16_prefill_fused_s9.json).
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
     counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
   * Layers that share their input (q/k/v, gate/up) run as one launch when stored back to back (SEGMENTED mode,
