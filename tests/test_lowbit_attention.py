@@ -265,9 +265,24 @@ def test_kernel_rotates_its_output_back():
 
 
 def _mx_inputs(q, k, v):
-    (qc, qb), (kc, kb) = lowbit._packed_mxfp4(q), lowbit._packed_mxfp4(k)
+    (qc, qb), (kc, kb) = (kla.quantize_e4m3_rows(x, "mxfp4_packed") for x in (q, k))
     vt8, vs = kla.quantize_e4m3_rows(v, "mxfp4", transpose=True)
     return qc, qb, kc, kb, vt8, vs
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_fused_quantizer_packs_mxfp4_like_the_reference(rotate):
+    x = torch.randn(2, 40, 3, 64).mul(torch.logspace(-3, 3, 40)[None, :, None, None])
+    x[0, 3, 1] = 0.0  # a zero row: smallest exponent, all codes 0
+    x[1, 5, 2, :7] = -0.0  # negative zeros encode as code 0
+    codes, exps = kla.quantize_e4m3_rows(x, "mxfp4_packed", rotate=rotate)
+    ref_in = (x.double() @ lowbit.hadamard(64, "cpu", torch.float64)).float() if rotate else x
+    ref = lq.quantize_rows(ref_in.reshape(-1, 3, 64), "mxfp4")
+    assert torch.equal(exps, ref.block_scale)
+    # rotated: fp32 sums in another order can move a value across a rounding boundary
+    assert (codes == ref.data).float().mean() >= (0.995 if rotate else 1.0)
+    with pytest.raises(ValueError, match="power-of-two"):
+        kla.quantize_e4m3_rows(torch.randn(4, 2, 96), "mxfp4_packed")
 
 
 @pytest.mark.parametrize("causal,sq,sk,h,hkv,d", [(True, 70, 70, 2, 1, 64), (False, 33, 90, 2, 2, 32),

@@ -73,12 +73,6 @@ def _native_fp4_qk(fp4_mma: str, qk_fmt: str, q: torch.Tensor) -> bool:
     return fp4_mma == "native" or fp4_cores
 
 
-def _packed_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[..., H, D]` -> (codes uint8 `[T, H, D/2]`, E8M0 block scales uint8 `[T, H, D/32]`)."""
-    qr = lq.quantize_rows(x, "mxfp4", check=False)
-    h, d = x.shape[-2], x.shape[-1]
-    return qr.data.reshape(-1, h, d // 2).contiguous(), qr.block_scale.reshape(-1, h, d // 32).contiguous()
-
 
 def quantize_for_attention(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`[..., D]` -> `(e4m3 [..., D], fp32 scale [...])`: fp8 per token, or FP4 values in e4m3 containers."""
@@ -100,12 +94,11 @@ def _forward(q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, native_fp4=Fals
     fused = rotate and interface.use_triton(q) and kla.can_fuse_rotation(q.shape[-1])
     if rotate and not fused:
         q, k, v = q @ h, k @ h, v @ h
-    qk_rotation = hadamard(q.shape[-1], q.device, torch.float32) if native_fp4 and fused else None
-    out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, qk_rotation, native_fp4)
+    out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, native_fp4)
     return (out @ h if rotate and not fused else out), lse  # the fused kernel rotates its output back itself
 
 
-def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, qk_rotation=None, native_fp4=False):
+def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, native_fp4=False):
     if interface.use_triton(q):
         if varlen:
             cu_q, cu_k = kw["cu_seqlens_q"].to(torch.int32), kw["cu_seqlens_k"].to(torch.int32)
@@ -115,13 +108,9 @@ def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, qk_rotation
             cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sq
             cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
             max_q = sq
-        if native_fp4:  # packed codes for the block-scaled dot (torch quantizer; Q/K rotated here, in fp32 as the
-            # fused quantizer does, when it rotates V)
-            q8, qs = _packed_mxfp4(q if qk_rotation is None else q.float() @ qk_rotation)
-            k8, ks = _packed_mxfp4(k if qk_rotation is None else k.float() @ qk_rotation)
-        else:
-            q8, qs = kla.quantize_e4m3_rows(q, qk_fmt, rotate=fused)
-            k8, ks = kla.quantize_e4m3_rows(k, qk_fmt, rotate=fused)
+        qk_out = "mxfp4_packed" if native_fp4 else qk_fmt  # packed codes + E8M0 exponents for the block-scaled dot
+        q8, qs = kla.quantize_e4m3_rows(q, qk_out, rotate=fused)
+        k8, ks = kla.quantize_e4m3_rows(k, qk_out, rotate=fused)
         vt8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True, rotate=fused)
         out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, cu_seqlens_q=cu_q,
                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],

@@ -391,7 +391,8 @@ def _quant_rows_kernel(X, Y, S_OUT, HAD, rot_scale, stride_b, stride_s, stride_h
                        EMULATE: tl.constexpr):
     """Rows of x `[B, S, H, D]` (any strides, unit along D) -> e4m3 `[B*S, H, D]` (or `[H, D, T_PAD]` with
     TRANSPOSE) and fp32 row scales `[B*S, H]`. FMT 0: fp8 per row; 1: MXFP4 values; 2: NVFP4 values (in e4m3
-    containers, as `lowbit_quant.fp4_rows_to_e4m3`). ROTATE: rows times the +-1 Hadamard matrix HAD `[D, D]` (in
+    containers, as `lowbit_quant.fp4_rows_to_e4m3`); 3: packed MXFP4, uint8 codes `[B*S, H, D/2]` and E8M0
+    exponents `[B*S, H, D/32]` in S_OUT, as `lowbit_quant.quantize_rows(x, "mxfp4")` (D a power of two >= 32). ROTATE: rows times the +-1 Hadamard matrix HAD `[D, D]` (in
     x's dtype: exact products, fp32 sums) times rot_scale = 1/sqrt(D) first, saving a pass over x. A program
     quantizes CHUNKS tiles of BLOCK_T rows of one head, so the matrix is read once per CHUNKS tiles (read per
     64-row tile, its 32-64 KB of L2 traffic per program nearly doubled the quantizer's time on the H200)."""
@@ -422,6 +423,22 @@ def _quant_rows_tile(X, Y, S_OUT, had, rot_scale, stride_b, stride_s, stride_h, 
         x = _rotate_rows(x, had, rot_scale, EMULATE)
     if FMT == 0:
         y, row = _fp8_rows(x, EMULATE)
+    elif FMT == 3:  # packed MXFP4: codes two a byte (even element low) and E8M0 exponents, as lowbit_quant
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -3.0e38), 3.0e38)
+        xb = tl.reshape(x, (BLOCK_T, D // 32, 32))
+        bits = (tl.max(tl.abs(xb), 2) / 6.0).to(tl.int32, bitcast=True)
+        e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1), 254)
+        a = tl.abs(xb) / (e << 23).to(tl.float32, bitcast=True)[:, :, None]
+        idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + \
+            (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+        code = idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
+        lo, hi = tl.split(tl.reshape(code, (BLOCK_T, D // 2, 2)))
+        tok = b * S + offs_t
+        offs_c = tl.arange(0, D // 2)
+        offs_b = tl.arange(0, D // 32)
+        tl.store(Y + (tok[:, None] * H + h) * (D // 2) + offs_c[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=t_ok[:, None])
+        tl.store(S_OUT + (tok[:, None] * H + h) * (D // 32) + offs_b[None, :], e.to(tl.uint8), mask=t_ok[:, None])
     else:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -3.0e38), 3.0e38)
         BLK: tl.constexpr = 32 if FMT == 1 else 16
@@ -448,16 +465,17 @@ def _quant_rows_tile(X, Y, S_OUT, had, rot_scale, stride_b, stride_s, stride_h, 
             + 2.0 * (a > 5.0).to(tl.float32)
         v = tl.where(xb < 0, -m, m) * rel[:, :, None]
         y = _to_e4m3(tl.reshape(v, (BLOCK_T, D_PAD)), EMULATE)
-    tok = b * S + offs_t
-    if TRANSPOSE:
-        tl.store(Y + (h * D + offs_d)[:, None] * T_PAD + tok[None, :], tl.trans(y),
-                 mask=d_ok[:, None] & t_ok[None, :])
-    else:
-        tl.store(Y + (tok[:, None] * H + h) * D + offs_d[None, :], y, mask=t_ok[:, None] & d_ok[None, :])
-    tl.store(S_OUT + tok * H + h, row, mask=t_ok)
+    if FMT != 3:
+        tok = b * S + offs_t
+        if TRANSPOSE:
+            tl.store(Y + (h * D + offs_d)[:, None] * T_PAD + tok[None, :], tl.trans(y),
+                     mask=d_ok[:, None] & t_ok[None, :])
+        else:
+            tl.store(Y + (tok[:, None] * H + h) * D + offs_d[None, :], y, mask=t_ok[:, None] & d_ok[None, :])
+        tl.store(S_OUT + tok * H + h, row, mask=t_ok)
 
 
-_FMT_CODE = {"fp8": 0, "mxfp4": 1, "nvfp4": 2}
+_FMT_CODE = {"fp8": 0, "mxfp4": 1, "nvfp4": 2, "mxfp4_packed": 3}
 
 
 _HADAMARD_PM1: dict = {}
@@ -490,7 +508,9 @@ def can_fuse_rotation(d: int) -> bool:
 def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotate: bool = False):
     """Fused Triton version of `quantize_for_attention`: x `[B, S, H, D]` or `[T, H, D]` (unit stride along D) ->
     (e4m3 `[B*S, H, D]`, or `[H, D, T_pad]` with `transpose`; fp32 scales `[B*S, H]`). `rotate`: quantize
-    x @ (orthonormal Hadamard) instead (needs `can_fuse_rotation(D)`)."""
+    x @ (orthonormal Hadamard) instead (needs `can_fuse_rotation(D)`). fmt "mxfp4_packed": (uint8 codes
+    `[B*S, H, D/2]`, uint8 E8M0 exponents `[B*S, H, D/32]`), the operands of the native FP4 Q.K^T (D a power of
+    two >= 32, no transpose)."""
     if x.dim() == 3:
         x = x[None]
     if x.stride(-1) != 1:
@@ -499,11 +519,17 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotat
     d_pad = max(32, _next_pow2(d))
     t = b * s
     t_pad = (t + 15) // 16 * 16
-    if transpose:
+    if fmt == "mxfp4_packed":
+        if d != d_pad or transpose:
+            raise ValueError(f"packed MXFP4 rows need a power-of-two head dim >= 32 and no transpose (got {d})")
+        y = torch.empty(t, h, d // 2, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(t, h, d // 32, dtype=torch.uint8, device=x.device)
+    elif transpose:
         y = torch.zeros(h, d, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
+        scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
     if rotate and not (d >= 32 and d & (d - 1) == 0):
         raise ValueError(f"the fused rotation needs a power-of-two head dim >= 32, got {d}")
     # the matrix in x's dtype (+-1 exactly): half the bytes each program reads
