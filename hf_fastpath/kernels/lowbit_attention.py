@@ -67,13 +67,25 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _ceil_exp2(y):
+    """Biased fp32 exponent of the smallest power of two >= y >= 0 (the bit trick of `lowbit_quant.ceil_pow2`)."""
+    bits = y.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _e2m1_index(a):
+    """a >= 0 (in units of the block scale) -> index 0..7 of the nearest E2M1 magnitude (0, .5, 1, 1.5, 2, 3, 4, 6),
+    ties to even, saturating: the thresholds of `lowbit_quant.e2m1_encode`."""
+    return (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + \
+        (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+
+
+@triton.jit
 def _round_p_fp4(pv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """pv >= 0 -> E2M1 grid with one power-of-two scale per 32 keys (ceil_pow2(amax / 6), as lowbit_quant)."""
     pb = tl.reshape(pv, (BLOCK_M, BLOCK_N // 32, 32))
-    y = tl.max(pb, 2) / 6.0
-    bits = y.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    scale = (e << 23).to(tl.float32, bitcast=True)
+    scale = (_ceil_exp2(tl.max(pb, 2) / 6.0) << 23).to(tl.float32, bitcast=True)
     inv = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
     a = pb * inv[:, :, None]
     m = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
@@ -392,8 +404,8 @@ def _quant_rows_kernel(X, Y, S_OUT, HAD, rot_scale, stride_b, stride_s, stride_h
     """Rows of x `[B, S, H, D]` (any strides, unit along D) -> e4m3 `[B*S, H, D]` (or `[H, D, T_PAD]` with
     TRANSPOSE) and fp32 row scales `[B*S, H]`. FMT 0: fp8 per row; 1: MXFP4 values; 2: NVFP4 values (in e4m3
     containers, as `lowbit_quant.fp4_rows_to_e4m3`); 3: packed MXFP4, uint8 codes `[B*S, H, D/2]` and E8M0
-    exponents `[B*S, H, D/32]` in S_OUT, as `lowbit_quant.quantize_rows(x, "mxfp4")` (D a power of two >= 32). ROTATE: rows times the +-1 Hadamard matrix HAD `[D, D]` (in
-    x's dtype: exact products, fp32 sums) times rot_scale = 1/sqrt(D) first, saving a pass over x. A program
+    exponents `[B*S, H, D/32]` in S_OUT, as `lowbit_quant.quantize_rows(x, "mxfp4")` (D a power of two >= 32).
+    ROTATE: rows times the +-1 Hadamard matrix HAD `[D, D]` (in x's dtype: exact products, fp32 sums) times rot_scale = 1/sqrt(D) first, saving a pass over x. A program
     quantizes CHUNKS tiles of BLOCK_T rows of one head, so the matrix is read once per CHUNKS tiles (read per
     64-row tile, its 32-64 KB of L2 traffic per program nearly doubled the quantizer's time on the H200)."""
     pid_t = tl.program_id(0)
@@ -423,48 +435,36 @@ def _quant_rows_tile(X, Y, S_OUT, had, rot_scale, stride_b, stride_s, stride_h, 
         x = _rotate_rows(x, had, rot_scale, EMULATE)
     if FMT == 0:
         y, row = _fp8_rows(x, EMULATE)
-    elif FMT == 3:  # packed MXFP4: codes two a byte (even element low) and E8M0 exponents, as lowbit_quant
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -3.0e38), 3.0e38)
-        xb = tl.reshape(x, (BLOCK_T, D // 32, 32))
-        bits = (tl.max(tl.abs(xb), 2) / 6.0).to(tl.int32, bitcast=True)
-        e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1), 254)
-        a = tl.abs(xb) / (e << 23).to(tl.float32, bitcast=True)[:, :, None]
-        idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + \
-            (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-        code = idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
-        lo, hi = tl.split(tl.reshape(code, (BLOCK_T, D // 2, 2)))
-        tok = b * S + offs_t
-        offs_c = tl.arange(0, D // 2)
-        offs_b = tl.arange(0, D // 32)
-        tl.store(Y + (tok[:, None] * H + h) * (D // 2) + offs_c[None, :], (lo | (hi << 4)).to(tl.uint8),
-                 mask=t_ok[:, None])
-        tl.store(S_OUT + (tok[:, None] * H + h) * (D // 32) + offs_b[None, :], e.to(tl.uint8), mask=t_ok[:, None])
     else:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -3.0e38), 3.0e38)
-        BLK: tl.constexpr = 32 if FMT == 1 else 16
+        BLK: tl.constexpr = 16 if FMT == 2 else 32
         xb = tl.reshape(x, (BLOCK_T, D_PAD // BLK, BLK))
         amax_b = tl.max(tl.abs(xb), 2)
-        if FMT == 1:
-            yb = amax_b / 6.0
-            bits = yb.to(tl.int32, bitcast=True)
-            e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-            e = tl.minimum(tl.maximum(e, 1), 254)
-            scale_b = (e << 23).to(tl.float32, bitcast=True)
-            row = tl.max(scale_b, 1)
-            rel = scale_b / row[:, None]
-            eff = scale_b
-        else:
+        if FMT == 2:
             row_s = tl.maximum(tl.max(amax_b, 1), 1e-30) / 2688.0  # amax / (6 * 448)
             sb = _to_e4m3(tl.minimum(amax_b / 6.0 / row_s[:, None], 448.0), EMULATE).to(tl.float32)
             eff = sb * row_s[:, None]
             rel = sb / 8.0
             row = row_s * 8.0
+        else:  # MXFP4: E8M0 block exponents
+            e = tl.minimum(tl.maximum(_ceil_exp2(amax_b / 6.0), 1), 254)
+            eff = (e << 23).to(tl.float32, bitcast=True)
+            row = tl.max(eff, 1)
+            rel = eff / row[:, None]
         a = tl.where(eff[:, :, None] > 0, tl.abs(xb) / tl.maximum(eff, 1e-38)[:, :, None], 0.0)
-        m = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
-                   + (a >= 1.75).to(tl.float32)) + (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) \
-            + 2.0 * (a > 5.0).to(tl.float32)
-        v = tl.where(xb < 0, -m, m) * rel[:, :, None]
-        y = _to_e4m3(tl.reshape(v, (BLOCK_T, D_PAD)), EMULATE)
+        idx = _e2m1_index(a)
+        if FMT == 3:  # packed: codes two a byte (even element in the low nibble), sign bit 3; exponents as bytes
+            code = idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
+            lo, hi = tl.split(tl.reshape(code, (BLOCK_T, D // 2, 2)))
+            tok = b * S + offs_t
+            tl.store(Y + (tok[:, None] * H + h) * (D // 2) + tl.arange(0, D // 2)[None, :],
+                     (lo | (hi << 4)).to(tl.uint8), mask=t_ok[:, None])
+            tl.store(S_OUT + (tok[:, None] * H + h) * (D // 32) + tl.arange(0, D // 32)[None, :], e.to(tl.uint8),
+                     mask=t_ok[:, None])
+        else:
+            m = tl.where(idx <= 4, idx.to(tl.float32) * 0.5, tl.where(idx == 7, 6.0, idx.to(tl.float32) - 2.0))
+            v = tl.where(xb < 0, -m, m) * rel[:, :, None]
+            y = _to_e4m3(tl.reshape(v, (BLOCK_T, D_PAD)), EMULATE)
     if FMT != 3:
         tok = b * S + offs_t
         if TRANSPOSE:
@@ -524,11 +524,9 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotat
             raise ValueError(f"packed MXFP4 rows need a power-of-two head dim >= 32 and no transpose (got {d})")
         y = torch.empty(t, h, d // 2, dtype=torch.uint8, device=x.device)
         scale = torch.empty(t, h, d // 32, dtype=torch.uint8, device=x.device)
-    elif transpose:
-        y = torch.zeros(h, d, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
-        scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
+        y = torch.zeros(h, d, t_pad, dtype=torch.float8_e4m3fn, device=x.device) if transpose else \
+            torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty(t, h, dtype=torch.float32, device=x.device)
     if rotate and not (d >= 32 and d & (d - 1) == 0):
         raise ValueError(f"the fused rotation needs a power-of-two head dim >= 32, got {d}")
