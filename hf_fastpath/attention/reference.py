@@ -7,6 +7,9 @@ Semantics (shared by every backend, FlashAttention-2 conventions):
   with ALiBi, `s += -slope[h] * |i + Sk - Sq - j|`;
 - causal is bottom-right aligned: query `i` sees key `j` iff `j <= i + Sk - Sq`;
   `window_size=(left, right)` (-1 = unbounded) keeps `i + Sk - Sq - left <= j <= i + Sk - Sq + right`;
+- `seqused_k` (int `[B]`, dense): sequence b's keys are its first `seqused_k[b]` slots (a static KV cache); the
+  other slots do not exist, and `Sk` above is `seqused_k[b]`;
+- `key_mask` (bool `[B, Sk]`, dense): key j of sequence b is attended only where `key_mask[b, j]` (padding);
 - `lse` is the natural log-sum-exp of the masked scores, fp32, `[B, Hq, Sq]` (dense) or `[Hq, T]` (varlen);
 - a query row that sees no key returns zeros and `lse = -inf`, never NaN.
 """
@@ -50,7 +53,14 @@ def _scores(q, k, scale, softcap, alibi_slopes, causal, window_size):
     return raw, s, keep
 
 
-def _one_sequence_forward(q, k, v, scale, causal, window_size, softcap, alibi_slopes):
+def _with_key_mask(keep, key_ok, sq):
+    if key_ok is None:
+        return keep
+    key_ok = key_ok[None, :].expand(sq, -1)
+    return key_ok if keep is None else keep & key_ok
+
+
+def _one_sequence_forward(q, k, v, scale, causal, window_size, softcap, alibi_slopes, key_ok=None):
     """q `[Sq,Hq,D]`, k/v `[Sk,Hkv,D]` in the compute dtype -> out `[Sq,Hq,D]`, lse `[Hq,Sq]`."""
     hq, hkv = q.shape[1], k.shape[1]
     rep = hq // hkv
@@ -58,6 +68,7 @@ def _one_sequence_forward(q, k, v, scale, causal, window_size, softcap, alibi_sl
     kh = k.transpose(0, 1).repeat_interleave(rep, 0)
     vh = v.transpose(0, 1).repeat_interleave(rep, 0)
     _, s, keep = _scores(qh, kh, scale, softcap, alibi_slopes, causal, window_size)
+    keep = _with_key_mask(keep, key_ok, q.shape[0])
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see nothing
@@ -67,7 +78,7 @@ def _one_sequence_forward(q, k, v, scale, causal, window_size, softcap, alibi_sl
     return out.transpose(0, 1), lse
 
 
-def _one_sequence_backward(do, q, k, v, out, lse, scale, causal, window_size, softcap, alibi_slopes):
+def _one_sequence_backward(do, q, k, v, out, lse, scale, causal, window_size, softcap, alibi_slopes, key_ok=None):
     """Analytic gradients from the given (possibly globally merged) out and lse, as FlashAttention does."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     rep = hq // hkv
@@ -76,6 +87,7 @@ def _one_sequence_backward(do, q, k, v, out, lse, scale, causal, window_size, so
     vh = v.transpose(0, 1).repeat_interleave(rep, 0)
     doh, oh = do.transpose(0, 1), out.transpose(0, 1)
     raw, s, keep = _scores(qh, kh, scale, softcap, alibi_slopes, causal, window_size)
+    keep = _with_key_mask(keep, key_ok, q.shape[0])
     safe_lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
     p = torch.exp(s - safe_lse[..., None])  # rows with lse=-inf contribute nothing
     if keep is not None:
@@ -94,19 +106,24 @@ def _one_sequence_backward(do, q, k, v, out, lse, scale, causal, window_size, so
     return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
 
 
-def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
     """Yield (slice_q, slice_k) per sequence for dense (batch) or varlen inputs."""
     if cu_seqlens_q is None:
+        used = [k.shape[1]] * q.shape[0] if seqused_k is None else seqused_k.clamp(0, k.shape[1]).tolist()
         for b in range(q.shape[0]):
-            yield (b,), (b,)
+            yield (b,), (b, slice(0, used[b]))
     else:
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for b in range(len(cq) - 1):
             yield (slice(cq[b], cq[b + 1]),), (slice(ck[b], ck[b + 1]),)
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, key_mask=None):
     varlen = cu_seqlens_q is not None
+    if varlen and (seqused_k is not None or key_mask is not None):
+        raise ValueError("seqused_k and key_mask are for dense [B, S, H, D] inputs, not with cu_seqlens.")
+    if key_mask is not None and tuple(key_mask.shape) != (k.shape[0], k.shape[1]):
+        raise ValueError(f"key_mask must be [batch, keys] = {(k.shape[0], k.shape[1])}, got {tuple(key_mask.shape)}.")
     if (cu_seqlens_k is None) != (not varlen):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together.")
     want = 3 if varlen else 4
@@ -135,11 +152,13 @@ def attention_forward(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    seqused_k=None,
+    key_mask=None,
     compute_dtype=None,
 ):
     """Reference forward. Returns `(out, lse)`; out in q's dtype, lse fp32. Computes in `compute_dtype`
     (default: float32, or float64 for float64 inputs)."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, key_mask)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     cd = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
@@ -148,9 +167,10 @@ def attention_forward(
     varlen = cu_seqlens_q is not None
     lse = torch.full((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
                      dtype=cd, device=q.device)
-    for b, (iq, ik) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
+    for b, (iq, ik) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-        o, l = _one_sequence_forward(qc[iq], kc[ik], vc[ik], scale, causal, window_size, softcap, sl)
+        key_ok = None if key_mask is None else key_mask[ik].bool()
+        o, l = _one_sequence_forward(qc[iq], kc[ik], vc[ik], scale, causal, window_size, softcap, sl, key_ok)
         out[iq] = o
         if varlen:
             lse[:, iq[0]] = l
@@ -176,22 +196,25 @@ def attention_backward(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    seqused_k=None,
+    key_mask=None,
     grad_dtype=None,
 ):
     """Reference backward from `out` and `lse` (which may come from a larger, merged attention: ring attention
     passes the global ones). Returns `(dq, dk, dv)` shaped like q, k, v, in `grad_dtype` (default: input dtype)."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, key_mask)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc, vc, doc, oc, lc = (t.to(cd) for t in (q, k, v, dout, out, lse))
     slopes = None if alibi_slopes is None else alibi_slopes.to(cd)
     dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
     varlen = cu_seqlens_q is not None
-    for b, (iq, ik) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
+    for b, (iq, ik) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
         l = lc[:, iq[0]] if varlen else lc[b]
+        key_ok = None if key_mask is None else key_mask[ik].bool()
         g = _one_sequence_backward(doc[iq], qc[iq], kc[ik], vc[ik], oc[iq], l, scale, causal, window_size,
-                                   softcap, sl)
+                                   softcap, sl, key_ok)
         dq[iq], dk[ik], dv[ik] = g
     gd = grad_dtype or q.dtype
     return dq.to(gd), dk.to(gd), dv.to(gd)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .device import compute_major, num_sms
+from .launch import LaunchCache
 from .lowbit_attention import _to_e4m3, quantize_e4m3_rows
 
 __all__ = ["flash_attention_forward", "flash_attention_backward"]
@@ -49,6 +50,16 @@ def _seq_span(b, CU, dense_len, IS_VARLEN: tl.constexpr):
     else:  # tensors, not constexprs (a length of 1 would be specialised into a constant)
         start = b * 0
         length = dense_len + b * 0
+    return start, length
+
+
+@triton.jit
+def _key_span(b, CU, dense_len, SEQUSED, IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr):
+    """(first key, number of keys) of sequence b: with SEQUSED (a static cache), only the first SEQUSED[b] slots
+    hold keys, and causal attention aligns to them."""
+    start, length = _seq_span(b, CU, dense_len, IS_VARLEN)
+    if HAS_SEQUSED:
+        length = tl.minimum(length, tl.load(SEQUSED + b))
     return start, length
 
 
@@ -87,6 +98,14 @@ def _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right,
     if HAS_LEFT:
         keep = keep & (offs_n[None, :] >= offs_m[:, None] + diag - window_left)
     return keep
+
+
+@triton.jit
+def _key_ok(KM_ptr, offs_n, seqlen_k, MASKED: tl.constexpr):
+    """Bool [N]: the per-key mask (nonzero = a real key) of keys offs_n; keys past seqlen_k are not."""
+    if MASKED:
+        return tl.load(KM_ptr + offs_n, mask=offs_n < seqlen_k, other=0) != 0
+    return tl.load(KM_ptr + offs_n) != 0
 
 
 @triton.jit
@@ -145,11 +164,11 @@ def _query_ranges(n0, seqlen_q, diag, window_left, window_right,
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                offs_m, offs_dk, offs_dv,
-               start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
+               start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, KM_ptr,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-               USE_TMA: tl.constexpr):
+               USE_TMA: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if USE_TMA:  # bulk tensor copies; rows past the sequence are other tokens (finite), masked below
@@ -179,7 +198,12 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_co
         s, _t = _scores_log2(qk, offs_m, offs_n, diag, sm_scale, scale_log2, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             keep = _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            if HAS_KEY_MASK:
+                keep = keep & _key_ok(KM_ptr, offs_n, seqlen_k, True)[None, :]
             s = tl.where(keep, s, float("-inf"))
+        elif HAS_KEY_MASK:
+            s = tl.where(_key_ok(KM_ptr, offs_n, seqlen_k, False)[None, :], s, float("-inf"))
+        if MASKED or HAS_KEY_MASK:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: avoid (-inf) - (-inf)
         else:
@@ -195,21 +219,22 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_co
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, stride_osplit, stride_lsplit,
-                stride_slope_b, dense_len_q, dense_len_k, gqa_ratio, num_splits, split_len,
+                stride_slope_b, stride_mask_b, dense_len_q, dense_len_k, gqa_ratio, num_splits, split_len,
                 sm_scale, scale_log2, softcap, window_left, window_right,
                 D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr,
-                PACK_GQA: tl.constexpr):
+                PACK_GQA: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
     start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
-    start_k, seqlen_k = _seq_span(b, CU_K, dense_len_k, IS_VARLEN)
+    start_k, seqlen_k = _key_span(b, CU_K, dense_len_k, SEQUSED_K, IS_VARLEN, HAS_SEQUSED)
+    KM_ptr = KEY_MASK + b.to(tl.int64) * stride_mask_b
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     if PACK_GQA:
@@ -279,18 +304,18 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
                                r1_lo, r1_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC, USE_TMA)
+                               KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI, UPCAST, PREC, USE_TMA, HAS_KEY_MASK)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
                                r2_lo, r2_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC, USE_TMA)
+                               KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI, UPCAST, PREC, USE_TMA, HAS_KEY_MASK)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
                                r3_lo, r3_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC, USE_TMA)
+                               KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI, UPCAST, PREC, USE_TMA, HAS_KEY_MASK)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -482,23 +507,25 @@ def _bwd_dkdv_inner(dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, 
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, Q8T, QS, DO8T, DOS, t_q_pad,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK, Q8T, QS, DO8T, DOS,
+                     t_q_pad,
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                      stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
                      stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, stride_ls,
-                     stride_slope_b, dense_len_q, dense_len_k, gqa_ratio,
+                     stride_slope_b, stride_mask_b, dense_len_q, dense_len_k, gqa_ratio,
                      sm_scale, scale_log2, softcap, window_left, window_right,
                      D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                     HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0):
+                     HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0,
+                     HAS_SEQUSED: tl.constexpr = False, HAS_KEY_MASK: tl.constexpr = False):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.program_id(2)
     start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
-    start_k, seqlen_k = _seq_span(b, CU_K, dense_len_k, IS_VARLEN)
+    start_k, seqlen_k = _key_span(b, CU_K, dense_len_k, SEQUSED_K, IS_VARLEN, HAS_SEQUSED)
     n0 = pid_n * BLOCK_N
-    if n0 >= seqlen_k:
+    if n0 >= seqlen_k:  # (with SEQUSED_K the caller zero-fills dK/dV: slots past the keys get no gradient)
         return
     diag = seqlen_k - seqlen_q
     b64 = b.to(tl.int64)
@@ -554,6 +581,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, Q8T, 
             True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
     dk = dk * (dk_s * sm_scale)
     dv = dv * dv_s
+    if HAS_KEY_MASK:  # a masked key has P = 0 in every row: no gradient (its P^T rows above were not masked)
+        key_ok = _key_ok(KEY_MASK + b64 * stride_mask_b, offs_n, seqlen_k, True)
+        dk = tl.where(key_ok[:, None], dk, 0.0)
+        dv = tl.where(key_ok[:, None], dv, 0.0)
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + row_k[:, None] * stride_dks + offs_dk[None, :],
              dk.to(DK.dtype.element_ty), mask=k_mask)
     tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + row_k[:, None] * stride_dvs + offs_dv[None, :],
@@ -563,11 +594,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, Q8T, 
 @triton.jit
 def _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                   start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                  K8T_ptr, KS_ptr, t_k0, t_k_pad, n_kv_heads,
+                  K8T_ptr, KS_ptr, t_k0, t_k_pad, n_kv_heads, KM_ptr,
                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                  FP8: tl.constexpr):
+                  FP8: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt_ptrs = K_ptr + offs_n[None, :] * stride_ks + offs_dk[:, None]
@@ -593,6 +624,8 @@ def _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_
         if MASKED:
             keep = _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
+        if HAS_KEY_MASK:
+            p = tl.where(_key_ok(KM_ptr, offs_n, seqlen_k, MASKED)[None, :], p, 0.0)
         dp = tl.dot(do, vt, input_precision=PREC)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -607,20 +640,22 @@ def _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, K8T, KS, t_k_pad,
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK, K8T, KS, t_k_pad,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-                   stride_ls, stride_slope_b, dense_len_q, dense_len_k, gqa_ratio,
+                   stride_ls, stride_slope_b, stride_mask_b, dense_len_q, dense_len_k, gqa_ratio,
                    sm_scale, scale_log2, softcap, window_left, window_right,
                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0):
+                   HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0,
+                   HAS_SEQUSED: tl.constexpr = False, HAS_KEY_MASK: tl.constexpr = False):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
     start_q, seqlen_q = _seq_span(b, CU_Q, dense_len_q, IS_VARLEN)
-    start_k, seqlen_k = _seq_span(b, CU_K, dense_len_k, IS_VARLEN)
+    start_k, seqlen_k = _key_span(b, CU_K, dense_len_k, SEQUSED_K, IS_VARLEN, HAS_SEQUSED)
+    KM_ptr = KEY_MASK + b.to(tl.int64) * stride_mask_b
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -658,18 +693,18 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, K8T, KS, t_
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, lo, a, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8)
+        n_kv_heads, KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8, HAS_KEY_MASK)
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, a, bb, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8)
+        n_kv_heads, KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8, HAS_KEY_MASK)
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, bb, hi, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8)
+        n_kv_heads, KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8, HAS_KEY_MASK)
     dq = dq * (dq_s * sm_scale)
     tl.store(DQ + b64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqs + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -682,7 +717,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, K8T, KS, t_
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, measured on H200 (benchmarks/attention.py).
 _FWD_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3),
                 256: (128, 64, 8, 2)}
-_FWD_DECODE_CONFIG = (16, 128, 4, 3)  # few query rows: memory bound, keys split across programs
+# Few query rows (decode): memory bound, keys split across programs. Per padded head dim: at 256 the 128-key tiles
+# of session 1 needed 268 KB of shared memory (K and V, 3 stages) and failed to launch on Hopper (227 KB).
+_FWD_DECODE_CONFIGS = {16: (16, 128, 4, 3), 32: (16, 128, 4, 3), 64: (16, 128, 4, 3), 128: (16, 128, 4, 3),
+                       256: (16, 64, 4, 2)}
 # hd256 backward (session 5 sweep, H200, benchmarks/results/attention_hd256_s5.json): (64, 32, 4, 2) for both
 # kernels, 1.14x (dK/dV) and 1.27x (dQ) faster than the session-1 choices, which spilled 0.8-1.6 KB per thread.
 _DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
@@ -719,7 +757,7 @@ def _config(kind: str, block_d: int, decode: bool = False):
     if _interpreting():
         return _INTERPRET_CONFIG
     if kind == "fwd":
-        return _FWD_DECODE_CONFIG if decode else _FWD_CONFIGS[block_d]
+        return (_FWD_DECODE_CONFIGS if decode else _FWD_CONFIGS)[block_d]
     if kind.endswith("_fp8"):
         return _BWD_FP8_CONFIGS[block_d]
     return (_DKDV_CONFIGS if kind == "dkdv" else _DQ_CONFIGS)[block_d]
@@ -814,25 +852,54 @@ def _num_splits(programs, seqlen_k, block_n, device):
     return max(1, min(_cdiv(seqlen_k, 4 * block_n), _cdiv(4 * sms, programs), 128))
 
 
+def _key_mask_arg(key_mask, batch, mk, device):
+    """(uint8 [B, >= Sk] view with unit last stride, its batch stride) of a per-key mask (nonzero = real key)."""
+    if key_mask is None:
+        return None, 0
+    if key_mask.dtype == torch.bool:
+        key_mask = key_mask.view(torch.uint8)
+    if key_mask.dim() != 2 or key_mask.shape[0] != batch or key_mask.shape[1] < mk:
+        raise ValueError(f"key_mask must be [batch, keys] = [{batch}, {mk}], got {tuple(key_mask.shape)}.")
+    if key_mask.device != device:
+        raise ValueError(f"key_mask is on {key_mask.device}; it must be on {device} with q, k, v.")
+    key_mask = _last_dim_contiguous(key_mask)
+    return key_mask, key_mask.stride(0)
+
+
+def _seqused_arg(seqused_k, batch, device):
+    if seqused_k is None:
+        return None
+    if seqused_k.shape != (batch,) or seqused_k.device != device:
+        raise ValueError(f"seqused_k must be an int tensor [batch] = [{batch}] on {device}, got "
+                         f"{tuple(seqused_k.shape)} on {seqused_k.device}.")
+    return seqused_k.to(torch.int32).contiguous()
+
+
+_FWD_LAUNCH = LaunchCache(_fwd_kernel)
+_COMBINE_LAUNCH = LaunchCache(_combine_kernel)
+
+
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
-                            alibi_slopes=None, num_splits=None, out_dtype=None):
+                            alibi_slopes=None, seqused_k=None, key_mask=None, num_splits=None, out_dtype=None):
     """Returns `(out, lse)`: out like q with v's head dim (in `out_dtype`, default q.dtype: fp32 keeps ring-attention
     partials unrounded), lse fp32 `[B, Hq, Sq]` (dense) or `[Hq, T]` (varlen).
-    `num_splits` (None = heuristic) splits the keys across programs (dense inputs only)."""
+    `seqused_k` (int `[B]`): sequence b has keys in its first `seqused_k[b]` slots only (a static KV cache), and causal
+    attention aligns to them. `key_mask` (bool/uint8 `[B, Sk]`, dense only): keys whose entry is 0 are not attended
+    (padding). `num_splits` (None = heuristic) splits the keys across programs (dense inputs only)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, mq, mk, dense_q, dense_k, varlen = _dims(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     hq, hkv, d_qk, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_qk)
     left, right = _window(causal, window_size)
     slopes, stride_slope_b = _slopes(alibi_slopes)
+    if varlen and key_mask is not None:
+        raise ValueError("key_mask is for dense [B, S, H, D] inputs; with cu_seqlens, leave the padding out.")
+    key_mask, stride_mask_b = _key_mask_arg(key_mask, batch, mk, q.device)
+    seqused_k = _seqused_arg(seqused_k, batch, q.device)
     out = torch.empty(*q.shape[:-1], d_v, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((hq, q.shape[0]) if varlen else (batch, hq, mq), dtype=torch.float32, device=q.device)
-    if q.numel() == 0 or batch == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    if k.numel() == 0 or v.numel() == 0:  # no keys at all: every row is empty
+    if q.numel() == 0 or batch == 0 or k.numel() == 0 or v.numel() == 0:  # no queries, or no keys at all
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
@@ -859,44 +926,45 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         o_dst, l_dst = out, lse
         o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
     grid = (_cdiv(rows_per_head, bm), hkv if pack else hq, batch * splits)
-    k_arg, v_arg, tma = k, v, False
+    meta = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen,
+                SPLIT=splits > 1, PACK_GQA=pack, HAS_SEQUSED=seqused_k is not None,
+                HAS_KEY_MASK=key_mask is not None, num_warps=warps, num_stages=stages, **flags)
+    tail = (*_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *o_strides, *l_strides,
+            *split_strides, stride_slope_b, stride_mask_b, dense_q, dense_k, hq // hkv, splits, split_len,
+            scale, scale * LOG2E, float(softcap), left, right)
+    head = (o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q, q if seqused_k is None else seqused_k,
+            q if key_mask is None else key_mask)
     tma_key = (bdk, bdv, bm, bn, warps, stages)
-    if tma_key not in _TMA_FAILED and _use_tma(q, d_qk, d_v, bdk, bdv):
+    kd = vd = None
+    if not decode and tma_key not in _TMA_FAILED and _use_tma(q, d_qk, d_v, bdk, bdv):
         kd, vd = _kv_descriptor(k, bn, bdk), _kv_descriptor(v, bn, bdv)
-        if kd is not None and vd is not None:
-            k_arg, v_arg, tma = kd, vd, True
-
-    def launch(k_arg, v_arg, tma):
-        _fwd_kernel[grid](
-            q, k_arg, v_arg, o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q,
-            *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *o_strides, *l_strides,
-            *split_strides, stride_slope_b, dense_q, dense_k, hq // hkv, splits, split_len,
-            scale, scale * LOG2E, float(softcap), left, right,
-            D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen,
-            SPLIT=splits > 1, USE_TMA=tma, PACK_GQA=pack, num_warps=warps, num_stages=stages, **flags)
-
-    if tma:
+    if kd is not None and vd is not None:  # bulk tensor copies (prefill on Hopper)
         try:
-            launch(k_arg, v_arg, True)
+            _fwd_kernel[grid](q, kd, vd, *head, *tail, USE_TMA=True, **meta)
         except triton.runtime.errors.OutOfResources:  # TMA staging buffers too large: plain loads instead
             _TMA_FAILED.add(tma_key)
-            launch(k, v, False)
-    else:
-        launch(k, v, False)
+            kd = None
+    if kd is None or vd is None:
+        # decoding calls this once per layer and token: launch the compiled kernel directly (kernels/launch.py)
+        _FWD_LAUNCH.launch(grid, (q, k, v, *head, *tail), dict(USE_TMA=False, **meta),
+                           tuple(meta.values()))
     if splits > 1:
         rows = batch * hq * mq
-        _combine_kernel[(rows,)](o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
-                                 *_lse_strides(lse, False), D_V=d_v, BLOCK_DV=bdv,
-                                 BLOCK_SPLITS=max(2, _next_pow2(splits)), num_warps=4)
+        _COMBINE_LAUNCH.launch((rows,), (o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
+                                         *_lse_strides(lse, False)),
+                               dict(D_V=d_v, BLOCK_DV=bdv, BLOCK_SPLITS=max(2, _next_pow2(splits)), num_warps=4),
+                               (d_v, bdv, _next_pow2(splits)))
     return out, lse
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, cu_seqlens_q=None,
                              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, grad_dtype=None, fp8_products=False):
+                             softcap=0.0, alibi_slopes=None, seqused_k=None, key_mask=None, grad_dtype=None,
+                             fp8_products=False):
     """Returns `(dq, dk, dv)` shaped like q, k, v in `grad_dtype` (default q.dtype), from the given out and lse
-    (which may be merged over several key blocks, as in ring attention). fp8_products: dV = P^T dO, dK = dS^T Q and
-    dQ = dS K with e4m3 operands (see `_fp8_accumulate`), for low-precision training."""
+    (which may be merged over several key blocks, as in ring attention). `seqused_k`, `key_mask` as in the forward
+    (keys they exclude get zero gradients). fp8_products: dV = P^T dO, dK = dS^T Q and dQ = dS K with e4m3 operands
+    (see `_fp8_accumulate`), for low-precision training."""
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
     dout = dout if dout.dtype == q.dtype else dout.to(q.dtype)  # the dots take one operand dtype
     lse = lse.to(torch.float32).contiguous()
@@ -905,10 +973,15 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_qk)
     left, right = _window(causal, window_size)
     slopes, stride_slope_b = _slopes(alibi_slopes)
+    if varlen and key_mask is not None:
+        raise ValueError("key_mask is for dense [B, S, H, D] inputs; with cu_seqlens, leave the padding out.")
+    key_mask, stride_mask_b = _key_mask_arg(key_mask, batch, mk, q.device)
+    seqused_k = _seqused_arg(seqused_k, batch, q.device)
     gd = grad_dtype or q.dtype
     dq = torch.empty(q.shape, dtype=gd, device=q.device)
-    dk = torch.empty(k.shape, dtype=gd, device=q.device)
-    dv = torch.empty(v.shape, dtype=gd, device=q.device)
+    new_kv = torch.empty if seqused_k is None else torch.zeros  # slots past seqused_k get no program
+    dk = new_kv(k.shape, dtype=gd, device=q.device)
+    dv = new_kv(v.shape, dtype=gd, device=q.device)
     if batch == 0 or q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     bdk, bdv = _block_dim(d_qk), _block_dim(d_v)
@@ -924,7 +997,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     _bwd_preprocess[(_cdiv(mq, pre_bm), hq, batch)](
         out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
         D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
-    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen, **flags)
+    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen,
+                  HAS_SEQUSED=seqused_k is not None, HAS_KEY_MASK=key_mask is not None, **flags)
+    masks = (q if seqused_k is None else seqused_k, q if key_mask is None else key_mask)
     fp8 = (q,) * 4 + (0,)  # dkdv: Q8T, QS, DO8T, DOS, t_q_pad (unused without fp8_products)
     fp8_k = (q, q, 0)  # dq: K8T, KS, t_k_pad
     if fp8_products:
@@ -935,16 +1010,17 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     suffix = "_fp8" if fp8_products else ""
     bm, bn, warps, stages = _config("dkdv" + suffix, bdmax)
     _bwd_dkdv_kernel[(_cdiv(mk, bn), hkv, batch)](
-        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *fp8,
+        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *masks, *fp8,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
+        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, stride_mask_b, dense_q, dense_k,
+        hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     bm, bn, warps, stages = _config("dq" + suffix, bdmax)
     _bwd_dq_kernel[(_cdiv(mq, bm), hq, batch)](
-        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *fp8_k,
+        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *masks, *fp8_k,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-        *_strides4(dq, varlen), *l_strides, stride_slope_b, dense_q, dense_k, hq // hkv,
+        *_strides4(dq, varlen), *l_strides, stride_slope_b, stride_mask_b, dense_q, dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     return dq, dk, dv
