@@ -1,13 +1,15 @@
-"""Which attention implementation runs: FA3 > FA4 > FA2 > own Triton kernel on CUDA; the reference on CPU.
+"""Which attention implementation runs: FA3 > FA4 > FA2 when installed; else, on CUDA, our Triton kernel or torch
+SDPA's cuDNN / FLASH kernels, whichever measured fastest for this kind of call (`dispatch.py`); the reference on
+the CPU.
 
-Each FlashAttention adapter maps our arguments (`reference.py` semantics, `[B, S, H, D]` or varlen `[T, H, D]`)
-onto that package's function and says which requests it cannot serve (e.g. FA3 has no ALiBi). Under "auto" an
-unsupported request falls back to the Triton kernel with a one-time warning; a forced backend raises instead.
+Each adapter maps our arguments (`reference.py` semantics, `[B, S, H, D]` or varlen `[T, H, D]`) onto its
+library's function and says which requests it cannot serve (e.g. FA3 has no ALiBi). Under "auto" an unsupported
+request falls back to the Triton kernel (with a one-time warning for an installed FlashAttention); a forced backend
+raises instead.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
@@ -20,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "describe_backends", "select_backend", "run_backend"]
 
-BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "reference")
+BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "sdpa_cudnn", "sdpa_flash", "reference")
 _warned: set[str] = set()
 
 
@@ -34,6 +36,9 @@ def _warn_once(msg: str) -> None:
         logger.warning(msg)
 
 
+_CAPABILITIES: dict[int, tuple] = {}  # a dict, not lru_cache: torch.compile reads it as a constant
+
+
 def cuda_capability(t: torch.Tensor | None = None):
     """(major, minor) of the tensor's CUDA device, or None off CUDA. Tests replace this to exercise FA adapters."""
     if t is not None and not t.is_cuda:
@@ -41,17 +46,15 @@ def cuda_capability(t: torch.Tensor | None = None):
     if not torch.cuda.is_available():
         return None
     index = t.device.index if t is not None and t.device.index is not None else torch.cuda.current_device()
-    return _capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int):
-    return torch.cuda.get_device_capability(index)
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        cap = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return cap
 
 
 @dataclass(frozen=True)
 class Request:
-    """What one attention call needs from a backend."""
+    """What one attention call needs from a backend: the features it uses and its shape (for `dispatch`)."""
 
     dtype: torch.dtype
     head_dim: int
@@ -62,14 +65,32 @@ class Request:
     alibi: bool
     dropout: bool
     capability: tuple | None  # None: not on CUDA
+    causal: bool = False
+    key_mask: bool = False  # a padding mask over the keys
+    seqused: bool = False  # a static cache: keys in the first seqused_k[b] slots
+    train: bool = False  # a backward will follow
+    lse: bool = False  # the caller wants the LSE
+    batch: int = 1
+    q_len: int = 1  # per sequence (max_seqlen for varlen)
+    kv_len: int = 1
+    heads: int = 1
+    kv_heads: int = 1
 
     @classmethod
-    def of(cls, q, k, v, kw, dropout_p=0.0):
-        return cls(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-                   varlen=kw.get("cu_seqlens_q") is not None,
+    def of(cls, q, k, v, kw, dropout_p=0.0, return_lse=False):
+        varlen = kw.get("cu_seqlens_q") is not None
+        if varlen:
+            batch = kw["cu_seqlens_q"].shape[0] - 1
+            q_len, kv_len = kw.get("max_seqlen_q") or q.shape[0], kw.get("max_seqlen_k") or k.shape[0]
+        else:
+            batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+        return cls(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1], varlen=varlen,
                    window=tuple(kw.get("window_size", (-1, -1))) != (-1, -1),
                    softcap=bool(kw.get("softcap") or 0.0), alibi=kw.get("alibi_slopes") is not None,
-                   dropout=dropout_p > 0, capability=cuda_capability(q))
+                   dropout=dropout_p > 0, capability=cuda_capability(q), causal=bool(kw.get("causal")),
+                   key_mask=kw.get("key_mask") is not None, seqused=kw.get("seqused_k") is not None,
+                   train=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)), lse=return_lse,
+                   batch=batch, q_len=q_len, kv_len=kv_len, heads=q.shape[-2], kv_heads=k.shape[-2])
 
 
 _MISSING: set[str] = set()
