@@ -221,9 +221,13 @@ def main():
     ap.add_argument("--plot", help="PNG from this results JSON")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--only", choices=("prefill", "decode"))
+    ap.add_argument("--write-table", metavar="RESULTS", help="write the package's dispatch table from this JSON")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+        return
+    if args.write_table:
+        write_table(args.write_table)
         return
     import triton
     import transformers
@@ -243,6 +247,32 @@ def main():
     finally:
         rows.save()
         _log("wrote", args.out)
+
+
+def write_table(path):
+    """hf_fastpath/attention/dispatch_smXY.json: per measured call our time and SDPA's, the way fastpath calls them
+    (prefill/train: dense SDPA as Transformers calls it; decode: a dense cache of kv_len tokens)."""
+    data = json.load(open(path))
+    cap = data["meta"]["capability"]
+    rows = []
+    for r in data["rows"]:
+        if r["phase"] not in ("prefill", "train", "decode"):
+            continue
+        base = dict(head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"], causal=r["causal"], batch=r["batch"],
+                    kv_len=r["kv_len"])
+        timings = [(r["phase"], r["ms"])]
+        if r["phase"] == "decode":
+            timings.append(("decode_eager", r["ms_eager"]))
+        for phase, ms in timings:
+            if ms.get("ours") and ms.get("sdpa"):
+                rows.append(dict(phase=phase, **base, triton_ms=round(ms["ours"], 5), sdpa_ms=round(ms["sdpa"], 5)))
+    meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
+    meta["source"] = "benchmarks/results/" + os.path.basename(path)
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "attention",
+                       f"dispatch_sm{cap[0]}{cap[1]}.json")
+    with open(out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=0)
+    print(f"wrote {out}: {len(rows)} rows")
 
 
 def plot(path, png):

@@ -36,6 +36,10 @@ def collect() -> dict:
     from .attention.backends import describe_backends
 
     info["attention"] = describe_backends()
+    if torch.cuda.is_available():
+        from .attention.dispatch import explain
+
+        info["fastpath_dispatch"] = explain(tuple(torch.cuda.get_device_capability()))
     info["distributed"] = {
         "nccl": torch.distributed.is_available() and torch.distributed.is_nccl_available(),
         "gloo": torch.distributed.is_available() and torch.distributed.is_gloo_available(),
@@ -60,6 +64,11 @@ def main(args=None) -> int:
     print("attention backends:")
     for b in info["attention"]:
         print(f"  {'ok ' if b['available'] else ' - '} {b['name']:<10} {b['reason']}")
+    if "fastpath_dispatch" in info:
+        print("'fastpath' for plain calls (no padding mask, static cache, window, softcap, ALiBi or varlen, which "
+              "always run hf_fastpath's kernels), by measured kind of call:")
+        for line in info["fastpath_dispatch"]:
+            print("   ", line)
     print("w4a16: " + "; ".join(f"{k}: {v}" for k, v in info["w4a16"].items()))
     print("distributed: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["distributed"].items()))
     return 0

@@ -255,7 +255,7 @@ def test_float64_raw_halves_use_reference():
 def test_describe_backends(install):
     install("fa3", "fa2")
     rows = {r["name"]: r for r in describe_backends()}
-    assert list(rows) == ["fa3", "fa4", "fa2", "triton", "reference"]
+    assert list(rows) == ["fa3", "fa4", "fa2", "triton", "sdpa", "reference"]
     assert rows["fa3"]["available"] and rows["fa3"]["reason"] == "ok (sm_90)"
     assert not rows["fa4"]["available"] and "pip install flash-attn-4" in rows["fa4"]["reason"]
     assert rows["reference"]["available"]

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from . import dispatch
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "describe_backends", "select_backend", "run_backend"]
 
-BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "sdpa_cudnn", "sdpa_flash", "reference")
+BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "sdpa", "reference")
 _warned: set[str] = set()
 
 
@@ -286,6 +288,29 @@ class TritonBackend:
         return None
 
 
+class SDPABackend:
+    """torch's `scaled_dot_product_attention`, called as Transformers' "sdpa" calls it (torch picks cuDNN, FLASH or
+    memory-efficient; GQA by `enable_gqa`). Only plain calls (`dispatch.sdpa_unsupported`); "auto" runs it where
+    the measured table says it beats our kernel."""
+
+    name = "sdpa"
+
+    def missing(self):
+        return None if torch.cuda.is_available() else "no CUDA device"
+
+    def unsupported(self, req):
+        from .dispatch import sdpa_unsupported
+
+        return sdpa_unsupported(req)
+
+    def run(self, q, k, v, kw, dropout_p, return_lse):
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=bool(kw["causal"]) and q.shape[1] > 1, scale=kw["softmax_scale"],
+            enable_gqa=qh.shape[1] != kh.shape[1])
+        return out.transpose(1, 2), None
+
+
 class ReferenceBackend:
     name = "reference"
 
@@ -297,16 +322,17 @@ class ReferenceBackend:
 
 
 _FLASH = {"fa3": FA3Backend(), "fa4": FA4Backend(), "fa2": FA2Backend()}
-_OWN = {"triton": TritonBackend(), "reference": ReferenceBackend()}
+_OWN = {"triton": TritonBackend(), "sdpa": SDPABackend(), "reference": ReferenceBackend()}
 BACKENDS = {**_FLASH, **_OWN}
 
 
-def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0):
+def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0, return_lse: bool = False):
     """The backend object for this call. Forced names raise BackendUnavailable / NotImplementedError with the reason;
-    "auto" walks FA3 > FA4 > FA2 > Triton (CUDA or interpreter) > reference."""
+    "auto" walks FA3 > FA4 > FA2 > (Triton or SDPA, by `dispatch`) on CUDA, Triton under the interpreter, else the
+    reference."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}.")
-    req = Request.of(q, k, v, kw, dropout_p)
+    req = Request.of(q, k, v, kw, dropout_p, return_lse)
     if name != "auto":
         backend = BACKENDS[name]
         why = backend.missing() or backend.unsupported(req)
@@ -325,6 +351,8 @@ def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0):
             if why is None:
                 return fb
             _warn_once(f"{fb.name} {why}: using hf_fastpath's Triton kernel for these calls instead.")
+        if _OWN["sdpa"].unsupported(req) is None and dispatch.choose(req) == "sdpa":
+            return _OWN["sdpa"]
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     own = _OWN["triton"] if (on_cuda or interp) and _OWN["triton"].missing() is None else _OWN["reference"]
     why = own.unsupported(req)
@@ -354,6 +382,10 @@ def describe_backends() -> list[dict]:
         if why is None:
             if name == "reference":
                 reason = "ok (plain PyTorch, any device; slow, materialises scores)"
+            elif name == "sdpa":
+                has_table = dispatch.table_for(cap) is not None
+                reason = (f"ok (sm_{cap[0]}{cap[1]}): 'fastpath' runs it for the plain calls where "
+                          + ("the measured table says it is faster" if has_table else "... no table for this GPU: never"))
             elif name == "triton" and cap is None:
                 reason = "ok (TRITON_INTERPRET=1: interpreted on the CPU, slow)"
             else:

@@ -52,6 +52,8 @@ def attention_backward(dout, q, k, v, out, lse, **kw):
 
 
 class _Attention(torch.autograd.Function):
+    """Autograd over a module's raw halves (the reference; the Triton kernels go through `ops` instead)."""
+
     @staticmethod
     def forward(ctx, q, k, v, kw, module):
         out, lse = module.attention_forward(q, k, v, **kw)
@@ -82,6 +84,8 @@ def attention(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    seqused_k=None,
+    key_mask=None,
     return_lse=False,
     backend="auto",
     dropout_p=0.0,
@@ -90,8 +94,11 @@ def attention(
 
     Returns `out`, or `(out, lse)` with `return_lse=True` (lse fp32, `[B, Hq, Sq]` or `[Hq, T]`).
     The LSE is returned for composition (ring attention) and carries no gradient.
-    `backend`: "auto" (FA3 > FA4 > FA2 > own Triton on CUDA; reference on CPU unless TRITON_INTERPRET=1),
-    or one of "triton", "fa2", "fa3", "fa4", "reference" (fails clearly when missing).
+    `seqused_k` (int `[B]`): only the first `seqused_k[b]` key slots of sequence b hold keys (a static KV cache);
+    `key_mask` (bool `[B, Sk]`): keys to leave out (padding). Both need no host synchronisation with our kernel.
+    `backend`: "auto" (FA3 > FA4 > FA2 when installed, else our Triton kernel or torch SDPA, whichever measured
+    faster for such a call on this GPU (`dispatch.py`); the reference on CPU unless TRITON_INTERPRET=1), or one of
+    "triton", "sdpa", "fa2", "fa3", "fa4", "reference" (fails clearly when missing or unable to serve the call).
     `dropout_p > 0` needs FA2 (flash-attn); the other backends raise NotImplementedError.
     """
     from .backends import run_backend, select_backend
@@ -106,19 +113,44 @@ def attention(
         window_size=tuple(int(w) for w in window_size),
         softcap=float(softcap or 0.0),
         alibi_slopes=alibi_slopes,
+        seqused_k=seqused_k,
+        key_mask=key_mask,
     )
-    chosen = select_backend(backend, q, k, v, kw, dropout_p)
-    if chosen.name in ("triton", "reference"):
-        module = _module_for(chosen.name)
-        out, lse = _Attention.apply(q, k, v, kw, module)
+    chosen = select_backend(backend, q, k, v, kw, dropout_p, return_lse)
+    if chosen.name == "triton":
+        from .ops import flash_attn
+
+        out, lse = flash_attn(q, k, v, **kw)
+    elif chosen.name == "reference":
+        out, lse = _Attention.apply(q, k, v, kw, reference)
+    elif seqused_k is not None or key_mask is not None:  # FlashAttention packages: no key masks
+        out, lse = _unpadded(lambda q, k, v, kw: run_backend(chosen, q, k, v, kw, dropout_p, return_lse), q, k, v, kw)
     else:
         out, lse = run_backend(chosen, q, k, v, kw, dropout_p, return_lse)
     return (out, lse) if return_lse else out
 
 
-def _module_for(name):
-    if name == "triton":
-        from . import triton_backend
-
-        return triton_backend
-    return reference
+def _unpadded(run, q, k, v, kw):
+    """Attention through a varlen-only backend: the keys left out by `key_mask` / `seqused_k` are dropped (one host
+    synchronisation). With as many queries as keys (prefill), the queries are dropped likewise and get zeros; with
+    fewer (decoding), all are kept and align causally to the last kept key, as Transformers' FA2 path does."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    keep = torch.ones(b, sk, dtype=torch.bool, device=q.device) if kw["key_mask"] is None else kw["key_mask"].bool()
+    if kw["seqused_k"] is not None:
+        keep = keep & (torch.arange(sk, device=q.device)[None, :] < kw["seqused_k"][:, None])
+    lens_k = keep.sum(-1, dtype=torch.int32)
+    idx_k = keep.flatten().nonzero().flatten()
+    cu_k = torch.nn.functional.pad(torch.cumsum(lens_k, 0, dtype=torch.int32), (1, 0))
+    if sq == sk and kw["seqused_k"] is None:
+        idx_q, cu_q, max_q = idx_k, cu_k, None
+    else:
+        idx_q = torch.arange(b * sq, device=q.device)
+        cu_q, max_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq, sq
+    max_k = int(lens_k.max())
+    max_q = max_k if max_q is None else max_q
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    varlen = dict(kw, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=None,
+                  key_mask=None)
+    out, lse = run(flat(q)[idx_q], flat(k)[idx_k], flat(v)[idx_k], varlen)
+    full = out.new_zeros(b * sq, *out.shape[1:]).index_copy(0, idx_q, out)
+    return full.view(b, sq, *out.shape[1:]), None

@@ -1,0 +1,116 @@
+"""Which kernel `fastpath` runs for a call our Triton kernel and torch SDPA can both serve: the one that measured
+faster for the nearest measured kind of call on this GPU architecture.
+
+The tables (`dispatch_sm90.json`, ...) come from `benchmarks/attention_dispatch.py --write-table`: per phase
+(`prefill`: forward only, `train`: forward + backward, `decode`: one query, CUDA-graph times, and `decode_eager`,
+host time included), head dim, GQA or not, causal or not,
+batch and key length, the median times of both, each called as it runs in a model. A call takes the row with the
+same phase and causality, then the nearest head dim, GQA-ness, and (in log scale) key length and batch. GPUs without
+a table run our kernel.
+
+SDPA serves only plain calls: no varlen, window, softcap, ALiBi, key mask or static-cache length, and either as
+many queries as keys or one query (SDPA's causal mask is top-left aligned).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+__all__ = ["choose", "table_for", "explain"]
+
+_TABLES: dict = {}
+_CHOICES: dict = {}
+
+
+def table_for(capability) -> list | None:
+    """The measured rows for a compute capability (None: no table)."""
+    if capability is None:
+        return None
+    name = f"dispatch_sm{capability[0]}{capability[1]}.json"
+    if name not in _TABLES:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+        _TABLES[name] = json.load(open(path))["rows"] if os.path.exists(path) else None
+    return _TABLES[name]
+
+
+def phase_of(req) -> str:
+    if req.q_len == 1 and req.kv_len > 1:
+        return "decode"
+    return "train" if req.train else "prefill"
+
+
+def sdpa_unsupported(req) -> str | None:
+    """Why torch SDPA (as `fastpath` calls it) cannot serve this request, or None."""
+    if req.capability is None:
+        return "needs a CUDA device"
+    if req.dtype not in (torch.float16, torch.bfloat16):
+        return f"is used for float16/bfloat16 only, got {req.dtype}"
+    if req.head_dim != req.head_dim_v:
+        return "needs equal q/k and v head dims"
+    for used, what in ((req.varlen, "varlen"), (req.window, "sliding window"), (req.softcap, "softcap"),
+                       (req.alibi, "ALiBi"), (req.dropout, "dropout"), (req.lse, "the LSE"),
+                       (req.key_mask, "a padding mask"), (req.seqused, "a static-cache length")):
+        if used:
+            return f"is not used with {what}"
+    if req.q_len != req.kv_len and req.q_len != 1:
+        return "aligns causal masks top-left (bottom-right needed when queries != keys)"
+    return None
+
+
+def _nearest(rows, key, value, log=False):
+    dist = (lambda r: abs(math.log(r[key] / value))) if log else (lambda r: abs(r[key] - value))
+    best = min(dist(r) for r in rows)
+    return [r for r in rows if dist(r) == best]
+
+
+@torch.compiler.assume_constant_result
+def _choose(key) -> str:
+    capability, phase, head_dim, gqa, causal, batch, kv_len = key
+    rows = table_for(capability)
+    if not rows:
+        return "triton"
+    rows = [r for r in rows if r["phase"] == phase and (phase.startswith("decode") or r["causal"] == causal)]
+    if not rows:
+        return "triton"
+    rows = _nearest(rows, "head_dim", head_dim)
+    rows = _nearest(rows, "gqa", gqa)
+    rows = _nearest(rows, "kv_len", max(kv_len, 1), log=True)
+    row = _nearest(rows, "batch", max(batch, 1), log=True)[0]
+    return "sdpa" if row["sdpa_ms"] < row["triton_ms"] else "triton"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def choose(req) -> str:
+    """"sdpa" or "triton" for a request both can serve (`sdpa_unsupported(req)` is None). Eager decoding uses the
+    eager (host time included) figures, compiled code the CUDA-graph ones. Lengths and batches are looked up by
+    their power-of-two ceiling, so a growing KV cache does not add a cache entry per token."""
+    phase = phase_of(req)
+    if phase == "decode" and not torch.compiler.is_compiling():
+        phase = "decode_eager"
+    key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, _pow2(req.batch),
+           _pow2(req.kv_len))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _choose(key)
+    return choice
+
+
+def explain(capability) -> list[str]:
+    """One line per measured kind of call: which kernel `fastpath` runs there (for `hf-fastpath env`)."""
+    rows = table_for(capability)
+    if not rows:
+        return ["no measured table for this GPU: fastpath runs hf_fastpath's Triton kernel"]
+    out = []
+    for r in rows:
+        shape = (f"{r['phase']:7s} hd{r['head_dim']} {'GQA' if r['gqa'] else 'MHA'} "
+                 f"{'causal' if r['causal'] else 'full  '} batch {r['batch']:3d} keys {r['kv_len']:6d}")
+        pick = "sdpa" if r["sdpa_ms"] < r["triton_ms"] else "triton"
+        out.append(f"{shape}: {pick:6s} (triton {r['triton_ms']:.3f} ms, sdpa {r['sdpa_ms']:.3f} ms)")
+    return out
