@@ -68,7 +68,7 @@ class Request:
     dropout: bool
     capability: tuple | None  # None: not on CUDA
     causal: bool = False
-    key_mask: bool = False  # a padding mask over the keys
+    key_mask: bool = False  # a padding mask over the keys, or packed segments
     seqused: bool = False  # a static cache: keys in the first seqused_k[b] slots
     train: bool = False  # a backward will follow
     lse: bool = False  # the caller wants the LSE
@@ -90,7 +90,8 @@ class Request:
                    window=tuple(kw.get("window_size", (-1, -1))) != (-1, -1),
                    softcap=bool(kw.get("softcap") or 0.0), alibi=kw.get("alibi_slopes") is not None,
                    dropout=dropout_p > 0, capability=cuda_capability(q), causal=bool(kw.get("causal")),
-                   key_mask=kw.get("key_mask") is not None, seqused=kw.get("seqused_k") is not None,
+                   key_mask=kw.get("key_mask") is not None or kw.get("segments") is not None,
+                   seqused=kw.get("seqused_k") is not None,
                    train=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)), lse=return_lse,
                    batch=batch, q_len=q_len, kv_len=kv_len, heads=q.shape[-2], kv_heads=k.shape[-2])
 

@@ -53,7 +53,7 @@ def sdpa_unsupported(req) -> str | None:
         return "needs equal q/k and v head dims"
     for used, what in ((req.varlen, "varlen"), (req.window, "sliding window"), (req.softcap, "softcap"),
                        (req.alibi, "ALiBi"), (req.dropout, "dropout"), (req.lse, "the LSE"),
-                       (req.key_mask, "a padding mask"), (req.seqused, "a static-cache length")):
+                       (req.key_mask, "a padding mask or packed sequences"), (req.seqused, "a static-cache length")):
         if used:
             return f"is not used with {what}"
     if req.q_len != req.kv_len and req.q_len != 1:

@@ -86,6 +86,7 @@ def attention(
     alibi_slopes=None,
     seqused_k=None,
     key_mask=None,
+    segments=None,
     return_lse=False,
     backend="auto",
     dropout_p=0.0,
@@ -95,7 +96,9 @@ def attention(
     Returns `out`, or `(out, lse)` with `return_lse=True` (lse fp32, `[B, Hq, Sq]` or `[Hq, T]`).
     The LSE is returned for composition (ring attention) and carries no gradient.
     `seqused_k` (int `[B]`): only the first `seqused_k[b]` key slots of sequence b hold keys (a static KV cache);
-    `key_mask` (bool `[B, Sk]`): keys to leave out (padding). Both need no host synchronisation with our kernel.
+    `key_mask` (`[B, Sk]`): only keys whose entry is > 0 are attended (padding); `segments`
+    (`kernels.flash_attention.segment_table`, Sq == Sk): packed sequences in one row, each attending only within
+    itself. None of the three needs a host synchronisation with our kernel.
     `backend`: "auto" (FA3 > FA4 > FA2 when installed, else our Triton kernel or torch SDPA, whichever measured
     faster for such a call on this GPU (`dispatch.py`); the reference on CPU unless TRITON_INTERPRET=1), or one of
     "triton", "sdpa", "fa2", "fa3", "fa4", "reference" (fails clearly when missing or unable to serve the call).
@@ -115,6 +118,7 @@ def attention(
         alibi_slopes=alibi_slopes,
         seqused_k=seqused_k,
         key_mask=key_mask,
+        segments=segments,
     )
     chosen = select_backend(backend, q, k, v, kw, dropout_p, return_lse)
     if chosen.name == "triton":
@@ -123,7 +127,7 @@ def attention(
         out, lse = flash_attn(q, k, v, **kw)
     elif chosen.name == "reference":
         out, lse = _Attention.apply(q, k, v, kw, reference)
-    elif seqused_k is not None or key_mask is not None:  # FlashAttention packages: no key masks
+    elif seqused_k is not None or key_mask is not None or segments is not None:  # FlashAttention: varlen only
         out, lse = _unpadded(lambda q, k, v, kw: run_backend(chosen, q, k, v, kw, dropout_p, return_lse), q, k, v, kw)
     else:
         out, lse = run_backend(chosen, q, k, v, kw, dropout_p, return_lse)
@@ -131,11 +135,22 @@ def attention(
 
 
 def _unpadded(run, q, k, v, kw):
-    """Attention through a varlen-only backend: the keys left out by `key_mask` / `seqused_k` are dropped (one host
-    synchronisation). With as many queries as keys (prefill), the queries are dropped likewise and get zeros; with
-    fewer (decoding), all are kept and align causally to the last kept key, as Transformers' FA2 path does."""
+    """Attention through a varlen-only backend (one host synchronisation). Packed `segments` become sequences.
+    Keys left out by `key_mask` / `seqused_k` are dropped; with as many queries as keys (prefill) the queries are
+    dropped likewise and get zeros, with fewer (decoding) all are kept and align causally to the last kept key, as
+    Transformers' FA2 path does."""
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    keep = torch.ones(b, sk, dtype=torch.bool, device=q.device) if kw["key_mask"] is None else kw["key_mask"].bool()
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    if kw["segments"] is not None:
+        ids = kw["segments"][0].flatten().long() + torch.arange(b, device=q.device).repeat_interleave(sk) * (sk + 1)
+        starts = torch.nonzero(torch.diff(ids, prepend=ids[:1] - 1)).flatten().to(torch.int32)
+        cu = torch.cat([starts, starts.new_full((1,), b * sk)])
+        max_len = int(torch.diff(cu).max())
+        varlen = dict(kw, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                      segments=None)
+        out, _ = run(flat(q), flat(k), flat(v), varlen)
+        return out.view(b, sq, *out.shape[1:]), None
+    keep = torch.ones(b, sk, dtype=torch.bool, device=q.device) if kw["key_mask"] is None else kw["key_mask"] > 0
     if kw["seqused_k"] is not None:
         keep = keep & (torch.arange(sk, device=q.device)[None, :] < kw["seqused_k"][:, None])
     lens_k = keep.sum(-1, dtype=torch.int32)
@@ -148,9 +163,8 @@ def _unpadded(run, q, k, v, kw):
         cu_q, max_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq, sq
     max_k = int(lens_k.max())
     max_q = max_k if max_q is None else max_q
-    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
     varlen = dict(kw, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=None,
                   key_mask=None)
-    out, lse = run(flat(q)[idx_q], flat(k)[idx_k], flat(v)[idx_k], varlen)
+    out, _ = run(flat(q)[idx_q], flat(k)[idx_k], flat(v)[idx_k], varlen)
     full = out.new_zeros(b * sq, *out.shape[1:]).index_copy(0, idx_q, out)
     return full.view(b, sq, *out.shape[1:]), None

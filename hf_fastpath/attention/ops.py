@@ -3,7 +3,7 @@
 Dynamo cannot trace a Triton launch (host-side specialization, launch caches, TMA descriptors); a custom op is opaque
 to it, its fake implementation gives the output shapes, and `register_autograd` puts forward and backward into one
 compiled graph. Nothing here reads a tensor's values on the host: varlen lengths come as ints, static-cache lengths
-as the `seqused_k` tensor, padding as the `key_mask` tensor.
+as the `seqused_k` tensor, padding as the `key_mask` tensor, packed sequences as the `segments` table.
 
     out, lse = torch.ops.hf_fastpath.flash_attn_forward(q, k, v, ...)
 
@@ -24,27 +24,29 @@ __all__ = ["flash_attn_forward", "flash_attn_backward", "flash_attn"]
 Tensor = torch.Tensor
 
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, seqused_k, key_mask, causal,
-             softmax_scale, window_left, window_right, softcap):
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, seqused_k, key_mask,
+             segments, causal, softmax_scale, window_left, window_right, softcap):
     cu_q, cu_k = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_q,
                                    cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    window_size=(window_left, window_right), softcap=softcap,
-                                   alibi_slopes=alibi_slopes, seqused_k=seqused_k, key_mask=key_mask)
+                                   alibi_slopes=alibi_slopes, seqused_k=seqused_k, key_mask=key_mask,
+                                   segments=segments)
 
 
 @torch.library.custom_op("hf_fastpath::flash_attn_forward", mutates_args=())
 def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                        max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
-                       seqused_k: Optional[Tensor], key_mask: Optional[Tensor], causal: bool, softmax_scale: float,
-                       window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor]:
+                       seqused_k: Optional[Tensor], key_mask: Optional[Tensor], segments: Optional[Tensor],
+                       causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                       softcap: float) -> tuple[Tensor, Tensor]:
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, seqused_k,
-                    key_mask, causal, softmax_scale, window_left, window_right, softcap)
+                    key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
 
 
 @flash_attn_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, seqused_k, key_mask, causal,
-      softmax_scale, window_left, window_right, softcap):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, seqused_k, key_mask, segments,
+      causal, softmax_scale, window_left, window_right, softcap):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if cu_seqlens_q is not None:  # [T, H, D] -> lse [H, T]
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -57,14 +59,15 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
 def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
                         max_seqlen_k: int, alibi_slopes: Optional[Tensor], seqused_k: Optional[Tensor],
-                        key_mask: Optional[Tensor], causal: bool, softmax_scale: float, window_left: int,
-                        window_right: int, softcap: float, fp8_products: bool) -> tuple[Tensor, Tensor, Tensor]:
+                        key_mask: Optional[Tensor], segments: Optional[Tensor], causal: bool, softmax_scale: float,
+                        window_left: int, window_right: int, softcap: float,
+                        fp8_products: bool) -> tuple[Tensor, Tensor, Tensor]:
     cu_q, cu_k = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     return flash_attention_backward(dout.contiguous(), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
                                     max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right),
                                     softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-                                    key_mask=key_mask, fp8_products=fp8_products)
+                                    key_mask=key_mask, segments=segments, fp8_products=fp8_products)
 
 
 @flash_attn_backward.register_fake
@@ -73,19 +76,19 @@ def _(dout, q, k, v, out, lse, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, slopes, seqused_k, key_mask, causal, scale, left, right, softcap = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, slopes, seqused_k, key_mask, segments, causal, scale, left, right, softcap = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, slopes, seqused_k, key_mask)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, slopes, seqused_k, key_mask, segments)
     ctx.args = (max_q, max_k, causal, scale, left, right, softcap)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, slopes, seqused_k, key_mask = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, slopes, seqused_k, key_mask, segments = ctx.saved_tensors
     max_q, max_k, causal, scale, left, right, softcap = ctx.args
     dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, slopes, seqused_k, key_mask,
-                                     causal, scale, left, right, softcap, False)
-    return (dq, dk, dv) + (None,) * 12
+                                     segments, causal, scale, left, right, softcap, False)
+    return (dq, dk, dv) + (None,) * 13
 
 
 flash_attn_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -93,14 +96,15 @@ flash_attn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attn(q, k, v, *, causal, softmax_scale, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                max_seqlen_k=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None,
-               key_mask=None):
+               key_mask=None, segments=None):
     """Differentiable `(out, lse)` through the ops. Varlen calls should pass `max_seqlen_q/k` (else one host read)."""
     if cu_seqlens_q is not None and (max_seqlen_q is None or max_seqlen_k is None):
         max_seqlen_q = max_seqlen_q if max_seqlen_q is not None else int(torch.diff(cu_seqlens_q).max())
         max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else int(torch.diff(cu_seqlens_k).max())
     left, right = window_size
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q or 0), int(max_seqlen_k or 0), alibi_slopes,
-            seqused_k, key_mask, bool(causal), float(softmax_scale), int(left), int(right), float(softcap or 0.0))
+            seqused_k, key_mask, segments, bool(causal), float(softmax_scale), int(left), int(right),
+            float(softcap or 0.0))
     if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                                or v.requires_grad)):
         return _forward(*args)  # eager inference (decoding): the op's dispatch would add ~20 µs of host time a call

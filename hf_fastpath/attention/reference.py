@@ -9,7 +9,9 @@ Semantics (shared by every backend, FlashAttention-2 conventions):
   `window_size=(left, right)` (-1 = unbounded) keeps `i + Sk - Sq - left <= j <= i + Sk - Sq + right`;
 - `seqused_k` (int `[B]`, dense): sequence b's keys are its first `seqused_k[b]` slots (a static KV cache); the
   other slots do not exist, and `Sk` above is `seqused_k[b]`;
-- `key_mask` (bool `[B, Sk]`, dense): key j of sequence b is attended only where `key_mask[b, j]` (padding);
+- `key_mask` (`[B, Sk]`, dense): key j of sequence b is attended only where `key_mask[b, j] > 0` (padding);
+- `segments` (`kernels.flash_attention.segment_table`, dense, Sq == Sk): packed sequences; query i sees key j only
+  if both lie in the same sequence (plane 0 of the table);
 - `lse` is the natural log-sum-exp of the masked scores, fp32, `[B, Hq, Sq]` (dense) or `[Hq, T]` (varlen);
 - a query row that sees no key returns zeros and `lse = -inf`, never NaN.
 """
@@ -54,9 +56,10 @@ def _scores(q, k, scale, softcap, alibi_slopes, causal, window_size):
 
 
 def _with_key_mask(keep, key_ok, sq):
+    """key_ok: bool [Sk] (padding) or [Sq, Sk] (packed segments)."""
     if key_ok is None:
         return keep
-    key_ok = key_ok[None, :].expand(sq, -1)
+    key_ok = key_ok.expand(sq, -1) if key_ok.dim() == 1 else key_ok
     return key_ok if keep is None else keep & key_ok
 
 
@@ -118,10 +121,21 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
             yield (slice(cq[b], cq[b + 1]),), (slice(ck[b], ck[b + 1]),)
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, key_mask=None):
+def _key_ok(key_mask, segments, b, ik):
+    """Which keys of sequence b its queries may see: [Sk] for a key mask, [Sq, Sk] for packed segments."""
+    if segments is not None:
+        seg = segments[0, b]
+        return seg[:, None] == seg[None, :]
+    return None if key_mask is None else key_mask[ik] > 0
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, key_mask=None, segments=None):
     varlen = cu_seqlens_q is not None
-    if varlen and (seqused_k is not None or key_mask is not None):
-        raise ValueError("seqused_k and key_mask are for dense [B, S, H, D] inputs, not with cu_seqlens.")
+    if varlen and (seqused_k is not None or key_mask is not None or segments is not None):
+        raise ValueError("seqused_k, key_mask and segments are for dense [B, S, H, D] inputs, not with cu_seqlens.")
+    if segments is not None and (q.shape[1] != k.shape[1] or tuple(segments.shape) != (3, k.shape[0], k.shape[1])):
+        raise ValueError(f"segments must be the [3, batch, seq] table of segment_table for as many queries as keys, "
+                         f"got {tuple(segments.shape)} for q {tuple(q.shape)}, k {tuple(k.shape)}.")
     if key_mask is not None and tuple(key_mask.shape) != (k.shape[0], k.shape[1]):
         raise ValueError(f"key_mask must be [batch, keys] = {(k.shape[0], k.shape[1])}, got {tuple(key_mask.shape)}.")
     if (cu_seqlens_k is None) != (not varlen):
@@ -154,11 +168,12 @@ def attention_forward(
     alibi_slopes=None,
     seqused_k=None,
     key_mask=None,
+    segments=None,
     compute_dtype=None,
 ):
     """Reference forward. Returns `(out, lse)`; out in q's dtype, lse fp32. Computes in `compute_dtype`
     (default: float32, or float64 for float64 inputs)."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, key_mask)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, key_mask, segments)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     cd = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
@@ -169,7 +184,7 @@ def attention_forward(
                      dtype=cd, device=q.device)
     for b, (iq, ik) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-        key_ok = None if key_mask is None else key_mask[ik].bool()
+        key_ok = _key_ok(key_mask, segments, b, ik)
         o, l = _one_sequence_forward(qc[iq], kc[ik], vc[ik], scale, causal, window_size, softcap, sl, key_ok)
         out[iq] = o
         if varlen:
@@ -198,11 +213,12 @@ def attention_backward(
     alibi_slopes=None,
     seqused_k=None,
     key_mask=None,
+    segments=None,
     grad_dtype=None,
 ):
     """Reference backward from `out` and `lse` (which may come from a larger, merged attention: ring attention
     passes the global ones). Returns `(dq, dk, dv)` shaped like q, k, v, in `grad_dtype` (default: input dtype)."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, key_mask)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, key_mask, segments)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc, vc, doc, oc, lc = (t.to(cd) for t in (q, k, v, dout, out, lse))
@@ -212,7 +228,7 @@ def attention_backward(
     for b, (iq, ik) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
         l = lc[:, iq[0]] if varlen else lc[b]
-        key_ok = None if key_mask is None else key_mask[ik].bool()
+        key_ok = _key_ok(key_mask, segments, b, ik)
         g = _one_sequence_backward(doc[iq], qc[iq], kc[ik], vc[ik], oc[iq], l, scale, causal, window_size,
                                    softcap, sl, key_ok)
         dq[iq], dk[ik], dv[ik] = g

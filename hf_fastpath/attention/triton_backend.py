@@ -86,7 +86,7 @@ def check_inputs(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=Non
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                      seqused_k=None, key_mask=None, compute_dtype=None, out_dtype=None):
+                      seqused_k=None, key_mask=None, segments=None, compute_dtype=None, out_dtype=None):
     """`(out, lse)`; see `reference.attention_forward`. `compute_dtype` is accepted for a uniform signature: the
     kernel always accumulates in fp32. `out_dtype` (default q.dtype) lets ring attention keep fp32 partials."""
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
@@ -96,12 +96,12 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q
                                    cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    window_size=tuple(window_size), softcap=float(softcap or 0.0),
                                    alibi_slopes=alibi_slopes, seqused_k=seqused_k, key_mask=key_mask,
-                                   out_dtype=out_dtype)
+                                   segments=segments, out_dtype=out_dtype)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, seqused_k=None, key_mask=None, grad_dtype=None):
+                       alibi_slopes=None, seqused_k=None, key_mask=None, segments=None, grad_dtype=None):
     """`(dq, dk, dv)`; see `reference.attention_backward`."""
     cu_q, cu_k = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, window_size)
     if dout.shape != out.shape or out.shape[:-1] != q.shape[:-1] or out.shape[-1] != v.shape[-1]:
@@ -113,4 +113,4 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
                                     max_seqlen_k=max_seqlen_k, window_size=tuple(window_size),
                                     softcap=float(softcap or 0.0), alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-                                    key_mask=key_mask, grad_dtype=grad_dtype)
+                                    key_mask=key_mask, segments=segments, grad_dtype=grad_dtype)

@@ -26,7 +26,7 @@ from .device import compute_major, num_sms
 from .launch import LaunchCache
 from .lowbit_attention import _to_e4m3, quantize_e4m3_rows
 
-__all__ = ["flash_attention_forward", "flash_attention_backward"]
+__all__ = ["flash_attention_forward", "flash_attention_backward", "segment_table"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -101,11 +101,27 @@ def _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _key_ok(KM_ptr, offs_n, seqlen_k, MASKED: tl.constexpr):
-    """Bool [N]: the per-key mask (nonzero = a real key) of keys offs_n; keys past seqlen_k are not."""
+def _key_visible(KM_ptr, seg_q, offs_n, seqlen_k, MASKED: tl.constexpr, MASK_MODE: tl.constexpr):
+    """Bool [1, N] (MASK_MODE 1: keys whose mask entry is > 0) or [M, N] (MASK_MODE 2: keys in the query row's
+    packed segment, `seg_q` [M]); keys past seqlen_k are never visible."""
     if MASKED:
-        return tl.load(KM_ptr + offs_n, mask=offs_n < seqlen_k, other=0) != 0
-    return tl.load(KM_ptr + offs_n) != 0
+        km = tl.load(KM_ptr + offs_n, mask=offs_n < seqlen_k, other=0)
+    else:
+        km = tl.load(KM_ptr + offs_n)
+    if MASK_MODE == 2:
+        return km[None, :] == seg_q[:, None]
+    return (km > 0)[None, :]
+
+
+@triton.jit
+def _segment_key_range(KM_ptr, stride_plane, q_first, lo, a, bb, hi, BLOCK_N: tl.constexpr):
+    """Key ranges of `_key_ranges` with the lower end raised to the start of row q_first's packed segment."""
+    seg_lo = (tl.load(KM_ptr + stride_plane + q_first) // BLOCK_N) * BLOCK_N
+    lo = tl.maximum(lo, seg_lo)
+    a = tl.maximum(a, lo)
+    bb = tl.maximum(bb, a)
+    hi = tl.maximum(hi, bb)
+    return lo, a, bb, hi
 
 
 @triton.jit
@@ -165,10 +181,10 @@ def _query_ranges(n0, seqlen_q, diag, window_left, window_right,
 def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                offs_m, offs_dk, offs_dv,
                start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, KM_ptr,
-               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               seg_q, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-               USE_TMA: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+               USE_TMA: tl.constexpr, MASK_MODE: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if USE_TMA:  # bulk tensor copies; rows past the sequence are other tokens (finite), masked below
@@ -198,12 +214,12 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_co
         s, _t = _scores_log2(qk, offs_m, offs_n, diag, sm_scale, scale_log2, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             keep = _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
-            if HAS_KEY_MASK:
-                keep = keep & _key_ok(KM_ptr, offs_n, seqlen_k, True)[None, :]
+            if MASK_MODE:
+                keep = keep & _key_visible(KM_ptr, seg_q, offs_n, seqlen_k, True, MASK_MODE)
             s = tl.where(keep, s, float("-inf"))
-        elif HAS_KEY_MASK:
-            s = tl.where(_key_ok(KM_ptr, offs_n, seqlen_k, False)[None, :], s, float("-inf"))
-        if MASKED or HAS_KEY_MASK:
+        elif MASK_MODE:
+            s = tl.where(_key_visible(KM_ptr, seg_q, offs_n, seqlen_k, False, MASK_MODE), s, float("-inf"))
+        if MASKED or MASK_MODE:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: avoid (-inf) - (-inf)
         else:
@@ -222,13 +238,14 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_co
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, stride_osplit, stride_lsplit,
-                stride_slope_b, stride_mask_b, dense_len_q, dense_len_k, gqa_ratio, num_splits, split_len,
+                stride_slope_b, stride_mask_b, stride_mask_plane, dense_len_q, dense_len_k, gqa_ratio, num_splits,
+                split_len,
                 sm_scale, scale_log2, softcap, window_left, window_right,
                 D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr,
-                PACK_GQA: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+                PACK_GQA: tl.constexpr, HAS_SEQUSED: tl.constexpr, MASK_MODE: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
@@ -294,6 +311,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, a, bb, hi = _key_ranges(q_first, q_last, seqlen_k, diag, window_left, window_right, BLOCK_N,
                                 HAS_LEFT, HAS_RIGHT)
+    seg_q = 0
+    if MASK_MODE == 2:  # packed sequences (queries and keys are the same tokens): keys of the rows' segments only
+        seg_q = tl.load(KM_ptr + offs_m, mask=row_ok, other=-1)
+        lo, a, bb, hi = _segment_key_range(KM_ptr, stride_mask_plane, q_first, lo, a, bb, hi, BLOCK_N)
     r1_lo, r1_hi, r2_lo, r2_hi, r3_lo, r3_hi = lo, a, a, bb, bb, hi
     if SPLIT:  # this program owns keys [s0, s1) of the sequence (split_len is a multiple of BLOCK_N)
         s0 = split * split_len
@@ -304,18 +325,18 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
                                r1_lo, r1_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC, USE_TMA, HAS_KEY_MASK)
+                               KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
                                r2_lo, r2_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC, USE_TMA, HAS_KEY_MASK)
+                               KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
                                r3_lo, r3_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, UPCAST, PREC, USE_TMA, HAS_KEY_MASK)
+                               KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -443,10 +464,10 @@ def _query_product(acc, acc_scale, x, b, BT8, SC, t0, offs_t, t_ok, offs_d, D: t
 def _bwd_dkdv_inner(dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, stride_qs, stride_dos, stride_ls,
                     offs_n, offs_dk, offs_dv, start, end, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap,
                     slope, window_left, window_right, Q8T_ptr, QS_ptr, DO8T_ptr, DOS_ptr, t_q0, t_q_pad, n_heads,
-                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                    FP8: tl.constexpr):
+                    KM_ptr, seg_k, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                    PREC: tl.constexpr, FP8: tl.constexpr, MASK_MODE: tl.constexpr):
     """Accumulate dK, dV of one key block over query rows [start, end); works on transposed scores [N, M]."""
     for m0 in tl.range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -495,6 +516,9 @@ def _bwd_dkdv_inner(dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, DELTA_ptr, 
             if HAS_LEFT:
                 keep = keep & (offs_n[:, None] >= offs_m[None, :] + diag - window_left)
             p_t = tl.where(keep, p_t, 0.0)
+        if MASK_MODE == 2:  # packed sequences: this key block's keys are seen by the rows of their segment only
+            seg_q = tl.load(KM_ptr + offs_m, mask=offs_m < seqlen_q, other=-1)
+            p_t = tl.where(seg_k[:, None] == seg_q[None, :], p_t, 0.0)
         dv, dv_s = _query_product(dv, dv_s, p_t, do, DO8T_ptr, DOS_ptr, t_q0, offs_m, offs_m < seqlen_q, offs_dv, D_V,
                                   t_q_pad, n_heads, MASKED, PREC, FP8)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -512,13 +536,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, SEQUS
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                      stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
                      stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, stride_ls,
-                     stride_slope_b, stride_mask_b, dense_len_q, dense_len_k, gqa_ratio,
+                     stride_slope_b, stride_mask_b, stride_mask_plane, dense_len_q, dense_len_k, gqa_ratio,
                      sm_scale, scale_log2, softcap, window_left, window_right,
                      D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                      HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0,
-                     HAS_SEQUSED: tl.constexpr = False, HAS_KEY_MASK: tl.constexpr = False):
+                     HAS_SEQUSED: tl.constexpr = False, MASK_MODE: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.program_id(2)
@@ -548,6 +572,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, SEQUS
     dv_s = tl.full([], 1.0 if FP8 == 0 else 0.0, tl.float32)
     lo, a, bb, hi = _query_ranges(n0, seqlen_q, diag, window_left, window_right, BLOCK_M, BLOCK_N,
                                   HAS_LEFT, HAS_RIGHT)
+    KM_ptr = KEY_MASK + b64 * stride_mask_b
+    seg_k = 0
+    if MASK_MODE == 2:  # packed: queries past the end of the last key's segment cannot see this block
+        seg_k = tl.load(KM_ptr + offs_n, mask=offs_n < seqlen_k, other=0)
+        last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+        seg_hi = tl.load(KM_ptr + 2 * stride_mask_plane + last)
+        hi = tl.minimum(hi, ((seg_hi + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+        bb = tl.minimum(bb, hi)
+        a = tl.minimum(a, bb)
+        lo = tl.minimum(lo, a)
     q_row0 = b64 * stride_qb + start_q.to(tl.int64) * stride_qs
     do_row0 = b64 * stride_dob + start_q.to(tl.int64) * stride_dos
     l_row0 = b64 * stride_lb + start_q.to(tl.int64) * stride_ls
@@ -567,22 +601,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, SEQUS
         dk, dv, dk_s, dv_s = _bwd_dkdv_inner(
             dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls, offs_n, offs_dk,
             offs_dv, lo, a, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
+            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, KM_ptr, seg_k, D_QK, D_V, BLOCK_DK,
+            BLOCK_DV, BLOCK_M,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8, MASK_MODE)
         dk, dv, dk_s, dv_s = _bwd_dkdv_inner(
             dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls, offs_n, offs_dk,
             offs_dv, a, bb, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
+            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, KM_ptr, seg_k, D_QK, D_V, BLOCK_DK,
+            BLOCK_DV, BLOCK_M,
+            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8, MASK_MODE)
         dk, dv, dk_s, dv_s = _bwd_dkdv_inner(
             dk, dv, dk_s, dv_s, k, v, Q_ptr, DO_ptr, L2_ptr, D_ptr, stride_qs, stride_dos, stride_ls, offs_n, offs_dk,
             offs_dv, bb, hi, seqlen_q, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M,
-            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8)
+            Q8T_ptr, QS + head, DO8T_ptr, DOS + head, t_q0, t_q_pad, n_heads, KM_ptr, seg_k, D_QK, D_V, BLOCK_DK,
+            BLOCK_DV, BLOCK_M,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, FP8, MASK_MODE)
     dk = dk * (dk_s * sm_scale)
     dv = dv * dv_s
-    if HAS_KEY_MASK:  # a masked key has P = 0 in every row: no gradient (its P^T rows above were not masked)
-        key_ok = _key_ok(KEY_MASK + b64 * stride_mask_b, offs_n, seqlen_k, True)
+    if MASK_MODE == 1:  # a masked key has P = 0 in every row: no gradient (its P^T rows above were not masked)
+        key_ok = tl.load(KM_ptr + offs_n, mask=offs_n < seqlen_k, other=0) > 0
         dk = tl.where(key_ok[:, None], dk, 0.0)
         dv = tl.where(key_ok[:, None], dv, 0.0)
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + row_k[:, None] * stride_dks + offs_dk[None, :],
@@ -594,11 +631,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_K, SLOPES, SEQUS
 @triton.jit
 def _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv,
                   start, end, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                  K8T_ptr, KS_ptr, t_k0, t_k_pad, n_kv_heads, KM_ptr,
+                  K8T_ptr, KS_ptr, t_k0, t_k_pad, n_kv_heads, KM_ptr, seg_q,
                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                  FP8: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+                  FP8: tl.constexpr, MASK_MODE: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt_ptrs = K_ptr + offs_n[None, :] * stride_ks + offs_dk[:, None]
@@ -624,8 +661,8 @@ def _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_
         if MASKED:
             keep = _visible(offs_m, offs_n, diag, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
-        if HAS_KEY_MASK:
-            p = tl.where(_key_ok(KM_ptr, offs_n, seqlen_k, MASKED)[None, :], p, 0.0)
+        if MASK_MODE:
+            p = tl.where(_key_visible(KM_ptr, seg_q, offs_n, seqlen_k, MASKED, MASK_MODE), p, 0.0)
         dp = tl.dot(do, vt, input_precision=PREC)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -643,13 +680,13 @@ def _bwd_dq_inner(dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_
 def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK, K8T, KS, t_k_pad,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-                   stride_ls, stride_slope_b, stride_mask_b, dense_len_q, dense_len_k, gqa_ratio,
+                   stride_ls, stride_slope_b, stride_mask_b, stride_mask_plane, dense_len_q, dense_len_k, gqa_ratio,
                    sm_scale, scale_log2, softcap, window_left, window_right,
                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr = 0,
-                   HAS_SEQUSED: tl.constexpr = False, HAS_KEY_MASK: tl.constexpr = False):
+                   HAS_SEQUSED: tl.constexpr = False, MASK_MODE: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
@@ -690,21 +727,25 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, SEQUSED_K, 
     dq_s = tl.full([], 1.0 if FP8 == 0 else 0.0, tl.float32)  # FP8: dq * dq_s is the sum
     lo, a, bb, hi = _key_ranges(m0, m0 + BLOCK_M - 1, seqlen_k, diag, window_left, window_right, BLOCK_N,
                                 HAS_LEFT, HAS_RIGHT)
+    seg_q = 0
+    if MASK_MODE == 2:
+        seg_q = tl.load(KM_ptr + offs_m, mask=row_ok, other=-1)
+        lo, a, bb, hi = _segment_key_range(KM_ptr, stride_mask_plane, m0, lo, a, bb, hi, BLOCK_N)
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, lo, a, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8, HAS_KEY_MASK)
+        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8, MASK_MODE)
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, a, bb, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8, HAS_KEY_MASK)
+        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8, MASK_MODE)
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, bb, hi, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, KM_ptr, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8, HAS_KEY_MASK)
+        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+        PREC, FP8, MASK_MODE)
     dq = dq * (dq_s * sm_scale)
     tl.store(DQ + b64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqs + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -719,7 +760,8 @@ _FWD_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128:
                 256: (128, 64, 8, 2)}
 # Few query rows (decode): memory bound, keys split across programs. Per padded head dim: at 256 the 128-key tiles
 # of session 1 needed 268 KB of shared memory (K and V, 3 stages) and failed to launch on Hopper (227 KB).
-_FWD_DECODE_CONFIGS = {16: (16, 128, 4, 3), 32: (16, 128, 4, 3), 64: (16, 128, 4, 3), 128: (16, 128, 4, 3),
+# 64-key tiles: 1.07-1.3x faster than 128 on the H200 at hd 128 (benchmarks/results/attention_dispatch.json).
+_FWD_DECODE_CONFIGS = {16: (16, 64, 4, 3), 32: (16, 64, 4, 3), 64: (16, 64, 4, 3), 128: (16, 64, 4, 3),
                        256: (16, 64, 4, 2)}
 # hd256 backward (session 5 sweep, H200, benchmarks/results/attention_hd256_s5.json): (64, 32, 4, 2) for both
 # kernels, 1.14x (dK/dV) and 1.27x (dQ) faster than the session-1 choices, which spilled 0.8-1.6 KB per thread.
@@ -849,21 +891,50 @@ def _num_splits(programs, seqlen_k, block_n, device):
     sms = num_sms(device)
     if programs >= sms:
         return 1
-    return max(1, min(_cdiv(seqlen_k, 4 * block_n), _cdiv(4 * sms, programs), 128))
+    # about two waves of programs: 1.1-1.3x faster than four at batch 1-8 (attention_dispatch.json, decode_config)
+    return max(1, min(_cdiv(seqlen_k, 4 * block_n), _cdiv(2 * sms, programs), 128))
 
 
-def _key_mask_arg(key_mask, batch, mk, device):
-    """(uint8 [B, >= Sk] view with unit last stride, its batch stride) of a per-key mask (nonzero = real key)."""
-    if key_mask is None:
-        return None, 0
-    if key_mask.dtype == torch.bool:
-        key_mask = key_mask.view(torch.uint8)
-    if key_mask.dim() != 2 or key_mask.shape[0] != batch or key_mask.shape[1] < mk:
-        raise ValueError(f"key_mask must be [batch, keys] = [{batch}, {mk}], got {tuple(key_mask.shape)}.")
+def segment_table(segment_ids: torch.Tensor) -> torch.Tensor:
+    """int32 `[3, B, S]` describing packed sequences from per-token ids `[B, S]` (tokens of one sequence are
+    contiguous and share an id): plane 0 numbers the sequences from 1, plane 1 holds each token's sequence start
+    (the first key its query may see), plane 2 its sequence end (one past the last query that may see its key).
+    Device ops only: no host synchronisation."""
+    b, s = segment_ids.shape
+    new = torch.ones(b, s, dtype=torch.bool, device=segment_ids.device)
+    new[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    idx = torch.arange(s, dtype=torch.int32, device=segment_ids.device).expand(b, s)
+    start = torch.where(new, idx, 0).cummax(-1).values
+    last = torch.ones_like(new)
+    last[:, :-1] = new[:, 1:]
+    end = torch.where(last, idx + 1, s).flip(-1).cummin(-1).values.flip(-1)
+    return torch.stack([new.cumsum(-1, dtype=torch.int32), start.to(torch.int32), end.to(torch.int32)]).contiguous()
+
+
+def _key_mask_arg(key_mask, segments, batch, mq, mk, device):
+    """(tensor with unit last stride, its batch stride, its plane stride, MASK_MODE) of a per-key mask (entries > 0
+    are real keys: MASK_MODE 1) or a `segment_table` (MASK_MODE 2)."""
+    if key_mask is not None and segments is not None:
+        raise ValueError("pass key_mask or segments, not both (a padding token is a segment of its own).")
+    if segments is not None:
+        if segments.dim() != 3 or segments.shape[0] != 3 or segments.shape[1] != batch or mq != mk or \
+                segments.shape[2] != mk or segments.dtype != torch.int32:
+            raise ValueError(f"segments must be the int32 [3, batch, seq] = [3, {batch}, {mk}] table of "
+                             f"`segment_table` for as many queries as keys, got {segments.dtype} "
+                             f"{tuple(segments.shape)} with {mq} queries and {mk} keys.")
+        key_mask, mode = segments, 2
+    elif key_mask is None:
+        return None, 0, 0, 0
+    else:
+        if key_mask.dtype == torch.bool:
+            key_mask = key_mask.view(torch.uint8)
+        if key_mask.dim() != 2 or key_mask.shape[0] != batch or key_mask.shape[1] < mk:
+            raise ValueError(f"key_mask must be [batch, keys] = [{batch}, {mk}], got {tuple(key_mask.shape)}.")
+        key_mask, mode = key_mask[None], 1
     if key_mask.device != device:
-        raise ValueError(f"key_mask is on {key_mask.device}; it must be on {device} with q, k, v.")
+        raise ValueError(f"key_mask / segments are on {key_mask.device}; they must be on {device} with q, k, v.")
     key_mask = _last_dim_contiguous(key_mask)
-    return key_mask, key_mask.stride(0)
+    return key_mask, key_mask.stride(1), key_mask.stride(0), mode
 
 
 def _seqused_arg(seqused_k, batch, device):
@@ -881,21 +952,24 @@ _COMBINE_LAUNCH = LaunchCache(_combine_kernel)
 
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
-                            alibi_slopes=None, seqused_k=None, key_mask=None, num_splits=None, out_dtype=None):
+                            alibi_slopes=None, seqused_k=None, key_mask=None, segments=None, num_splits=None,
+                            out_dtype=None):
     """Returns `(out, lse)`: out like q with v's head dim (in `out_dtype`, default q.dtype: fp32 keeps ring-attention
     partials unrounded), lse fp32 `[B, Hq, Sq]` (dense) or `[Hq, T]` (varlen).
     `seqused_k` (int `[B]`): sequence b has keys in its first `seqused_k[b]` slots only (a static KV cache), and causal
-    attention aligns to them. `key_mask` (bool/uint8 `[B, Sk]`, dense only): keys whose entry is 0 are not attended
-    (padding). `num_splits` (None = heuristic) splits the keys across programs (dense inputs only)."""
+    attention aligns to them. `key_mask` (`[B, Sk]`, bool or integer, dense only): keys whose entry is not > 0 are
+    not attended (padding). `segments` (`segment_table`, dense, Sq == Sk): packed sequences, each attending only
+    within itself. `num_splits` (None = heuristic) splits the keys across programs (dense inputs only)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, mq, mk, dense_q, dense_k, varlen = _dims(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     hq, hkv, d_qk, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_qk)
     left, right = _window(causal, window_size)
     slopes, stride_slope_b = _slopes(alibi_slopes)
-    if varlen and key_mask is not None:
-        raise ValueError("key_mask is for dense [B, S, H, D] inputs; with cu_seqlens, leave the padding out.")
-    key_mask, stride_mask_b = _key_mask_arg(key_mask, batch, mk, q.device)
+    if varlen and (key_mask is not None or segments is not None):
+        raise ValueError("key_mask and segments are for dense [B, S, H, D] inputs, not with cu_seqlens.")
+    key_mask, stride_mask_b, stride_mask_plane, mask_mode = _key_mask_arg(key_mask, segments, batch, mq, mk,
+                                                                          q.device)
     seqused_k = _seqused_arg(seqused_k, batch, q.device)
     out = torch.empty(*q.shape[:-1], d_v, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((hq, q.shape[0]) if varlen else (batch, hq, mq), dtype=torch.float32, device=q.device)
@@ -927,10 +1001,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
     grid = (_cdiv(rows_per_head, bm), hkv if pack else hq, batch * splits)
     meta = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen,
-                SPLIT=splits > 1, PACK_GQA=pack, HAS_SEQUSED=seqused_k is not None,
-                HAS_KEY_MASK=key_mask is not None, num_warps=warps, num_stages=stages, **flags)
+                SPLIT=splits > 1, PACK_GQA=pack, HAS_SEQUSED=seqused_k is not None, MASK_MODE=mask_mode,
+                num_warps=warps, num_stages=stages, **flags)
     tail = (*_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *o_strides, *l_strides,
-            *split_strides, stride_slope_b, stride_mask_b, dense_q, dense_k, hq // hkv, splits, split_len,
+            *split_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q, dense_k, hq // hkv, splits,
+            split_len,
             scale, scale * LOG2E, float(softcap), left, right)
     head = (o_dst, l_dst, cu_q, cu_k, slopes if slopes is not None else q, q if seqused_k is None else seqused_k,
             q if key_mask is None else key_mask)
@@ -959,11 +1034,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, cu_seqlens_q=None,
                              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, seqused_k=None, key_mask=None, grad_dtype=None,
-                             fp8_products=False):
+                             softcap=0.0, alibi_slopes=None, seqused_k=None, key_mask=None, segments=None,
+                             grad_dtype=None, fp8_products=False):
     """Returns `(dq, dk, dv)` shaped like q, k, v in `grad_dtype` (default q.dtype), from the given out and lse
-    (which may be merged over several key blocks, as in ring attention). `seqused_k`, `key_mask` as in the forward
-    (keys they exclude get zero gradients). fp8_products: dV = P^T dO, dK = dS^T Q and dQ = dS K with e4m3 operands
+    (which may be merged over several key blocks, as in ring attention). `seqused_k`, `key_mask`, `segments` as in
+    the forward (keys they exclude get zero gradients). fp8_products: dV = P^T dO, dK = dS^T Q and dQ = dS K with e4m3 operands
     (see `_fp8_accumulate`), for low-precision training."""
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
     dout = dout if dout.dtype == q.dtype else dout.to(q.dtype)  # the dots take one operand dtype
@@ -973,9 +1048,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_qk)
     left, right = _window(causal, window_size)
     slopes, stride_slope_b = _slopes(alibi_slopes)
-    if varlen and key_mask is not None:
-        raise ValueError("key_mask is for dense [B, S, H, D] inputs; with cu_seqlens, leave the padding out.")
-    key_mask, stride_mask_b = _key_mask_arg(key_mask, batch, mk, q.device)
+    if varlen and (key_mask is not None or segments is not None):
+        raise ValueError("key_mask and segments are for dense [B, S, H, D] inputs, not with cu_seqlens.")
+    key_mask, stride_mask_b, stride_mask_plane, mask_mode = _key_mask_arg(key_mask, segments, batch, mq, mk,
+                                                                          q.device)
     seqused_k = _seqused_arg(seqused_k, batch, q.device)
     gd = grad_dtype or q.dtype
     dq = torch.empty(q.shape, dtype=gd, device=q.device)
@@ -998,7 +1074,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
         D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen,
-                  HAS_SEQUSED=seqused_k is not None, HAS_KEY_MASK=key_mask is not None, **flags)
+                  HAS_SEQUSED=seqused_k is not None, MASK_MODE=mask_mode, **flags)
     masks = (q if seqused_k is None else seqused_k, q if key_mask is None else key_mask)
     fp8 = (q,) * 4 + (0,)  # dkdv: Q8T, QS, DO8T, DOS, t_q_pad (unused without fp8_products)
     fp8_k = (q, q, 0)  # dq: K8T, KS, t_k_pad
@@ -1012,15 +1088,16 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     _bwd_dkdv_kernel[(_cdiv(mk, bn), hkv, batch)](
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *masks, *fp8,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, stride_mask_b, dense_q, dense_k,
-        hq // hkv,
+        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q,
+        dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     bm, bn, warps, stages = _config("dq" + suffix, bdmax)
     _bwd_dq_kernel[(_cdiv(mq, bm), hq, batch)](
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *masks, *fp8_k,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-        *_strides4(dq, varlen), *l_strides, stride_slope_b, stride_mask_b, dense_q, dense_k, hq // hkv,
+        *_strides4(dq, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q, dense_k,
+        hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     return dq, dk, dv
