@@ -380,15 +380,22 @@ def test_adapter_padding_decode_window_softcap(sq, skv, causal):
         assert torch.isfinite(out).all()
 
 
-def test_static_cache_mask_covers_only_filled_slots():
-    # prefill of 5 tokens into a 16-slot static cache, no padding: the all-True mask marks the filled slots
+def test_static_cache_mask_is_one_shape_for_every_step():
+    # prefill of 5 tokens into a 16-slot static cache, no padding: 1 = a token, -1 = a slot not reached yet
     mask = ta.fastpath_mask(batch_size=2, q_length=5, kv_length=16, q_offset=torch.tensor(0), kv_offset=0,
                             attention_mask=None, device=torch.device("cpu"))
-    assert mask.dtype == torch.bool and mask.shape == (2, 5) and mask.all()
-    # decode step 3 tokens later
+    assert mask.dtype == torch.int8 and mask.shape == (2, 16)
+    assert mask[:, :5].eq(1).all() and mask[:, 5:].eq(-1).all()
+    # decode step 3 tokens later, first row left-padded by 2: 0 = padding; same shape (no recompilation)
+    pad = torch.ones(2, 8, dtype=torch.bool)
+    pad[0, :2] = False
     mask = ta.fastpath_mask(batch_size=2, q_length=1, kv_length=16, q_offset=torch.tensor(7), kv_offset=0,
-                            attention_mask=None)
-    assert mask.shape == (2, 8)
+                            attention_mask=pad)
+    assert mask.shape == (2, 16)
+    assert mask[0].tolist() == [0, 0] + [1] * 6 + [-1] * 8 and mask[1].tolist() == [1] * 8 + [-1] * 8
+    # the adapter hands the kernel the padding and the keys in use, computed on the device
+    args = ta._static_cache_args(mask)
+    assert args["seqused_k"].tolist() == [8, 8] and args["key_mask"] is mask
     # dynamic cache / no cache: nothing to mask
     assert ta.fastpath_mask(batch_size=2, q_length=1, kv_length=8, q_offset=7, attention_mask=None) is None
     assert ta.fastpath_mask(batch_size=2, q_length=8, kv_length=8, attention_mask=torch.ones(2, 8, dtype=bool)) is None

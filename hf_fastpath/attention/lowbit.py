@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 import torch
 
-from ..kernels import flash_attention as fa
 from ..kernels import lowbit_attention as kla
 from ..kernels import lowbit_quant as lq
-from . import interface
+from . import interface, ops
+
+Tensor = torch.Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -153,30 +155,48 @@ def _packed_decode(q, k, v, softmax_scale, return_lse):
     return (out, lse[:, :, None]) if return_lse else out
 
 
-class _LowBitAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, fp8_backward=False, native_fp4=False):
-        out, lse = _forward(q, k, v, fmt, p_fp4, kw, qk_fmt, rotate, native_fp4)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kw = kw
-        ctx.fp8_backward = fp8_backward
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+@torch.library.custom_op("hf_fastpath::lowbit_attn_forward", mutates_args=())
+def _lowbit_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+               max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, fmt: str, p_fp4: bool,
+               qk_fmt: str, rotate: bool, native_fp4: bool, fp8_backward: bool) -> tuple[Tensor, Tensor]:
+    """The low-bit forward as one op (torch.compile sees through it by its fake implementation)."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q or None, max_seqlen_k=max_seqlen_k or None, window_size=(-1, -1),
+              softcap=0.0, alibi_slopes=None)
+    return _forward(q, k, v, fmt, p_fp4, kw, qk_fmt, rotate, native_fp4)
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        # straight-through: gradients of attention, evaluated at the low-precision forward's out/lse (the
-        # rotation leaves attention unchanged, so the unrotated inputs serve)
-        if ctx.fp8_backward and interface.use_triton(q):
-            dq, dk, dv = fa.flash_attention_backward(dout.contiguous(), q, k, v, out, lse, fp8_products=True,
-                                                     **ctx.kw)
-        else:
-            if ctx.fp8_backward:
-                _warn_once("fp8-backward-cpu", "the FP8 attention backward needs the Triton kernels (a CUDA GPU, or "
-                                               "TRITON_INTERPRET=1 on the CPU): this backward runs in full precision")
-            dq, dk, dv = interface.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
-        return dq, dk, dv, None, None, None, None, None, None, None
+
+@_lowbit_op.register_fake
+def _(q, k, v, cu_seqlens_q, *args):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _lowbit_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *_, fp8_backward = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
+    ctx.args = (max_q, max_k, causal, scale, fp8_backward)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _lowbit_backward(ctx, dout, _dlse):
+    # straight-through: gradients of attention, evaluated at the low-precision forward's out/lse (the rotation
+    # leaves attention unchanged, so the unrotated inputs serve)
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    max_q, max_k, causal, scale, fp8_backward = ctx.args
+    if interface.use_triton(q):
+        dq, dk, dv = ops.flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, None, None, None,
+                                             None, causal, scale, -1, -1, 0.0, fp8_backward)
+    else:
+        if fp8_backward:
+            _warn_once("fp8-backward-cpu", "the FP8 attention backward needs the Triton kernels (a CUDA GPU, or "
+                                           "TRITON_INTERPRET=1 on the CPU): this backward runs in full precision")
+        dq, dk, dv = interface.attention_backward(dout.contiguous(), q, k, v, out, lse, causal=causal,
+                                                  softmax_scale=scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    return (dq, dk, dv) + (None,) * 12
+
+
+_lowbit_op.register_autograd(_lowbit_backward, setup_context=_lowbit_setup)
 
 
 _HADAMARD: dict = {}
@@ -195,8 +215,9 @@ def hadamard(d: int, device, dtype) -> torch.Tensor:
 
 def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal=False, softmax_scale=None,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False, backend="auto",
-                     dropout_p=0.0, qk_format=None, backward="auto", fp4_mma="auto"):
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, key_mask=None,
+                     segments=None, return_lse=False, backend="auto", dropout_p=0.0, qk_format=None, backward="auto",
+                     fp4_mma="auto"):
     """Attention with Q/K/V (and P) in `fmt` ("fp8", "mxfp4", "nvfp4"); arguments as `hf_fastpath.attention`.
     `p_format`: "fp8", "fp4" (P mapped to E2M1 with a power-of-two scale per 32 keys inside the softmax), or "auto"
     (= "fp8": with V in e4m3 an FP4 P is no faster on any GPU, see `_resolve_p_fp4`).
@@ -211,7 +232,10 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
     `fp4_mma`, for MXFP4 Q/K: "native" computes Q.K^T from the packed codes as one block-scaled FP4 dot
     (`tl.dot_scaled`: FP4 tensor cores on sm_100+; a GPU without them falls back to "fp8" with a one-time warning),
     "fp8" feeds the FP4 values to FP8 tensor cores in e4m3 containers, "auto" picks native on sm_100+. Same numbers
-    up to fp32 summation order (the containers drop blocks 2**8 below a row's largest). P.V stays FP8 either way."""
+    up to fp32 summation order (the containers drop blocks 2**8 below a row's largest). P.V stays FP8 either way.
+    Decoding (at most 16 queries a sequence against a bf16/fp16 KV cache) runs the 16-bit kernel: quantizing the
+    whole cache every step would read it more than once. `seqused_k`, `key_mask`, `segments` (see
+    `hf_fastpath.attention.attention`) are served by dropping the excluded keys first (one host sync)."""
     if fmt not in lq.FORMATS:
         raise ValueError(f"unknown low-bit format {fmt!r}; choose one of {lq.FORMATS}")
     if backward not in ("auto", "fp8", "bf16"):
@@ -227,6 +251,12 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
         if plain and not q.requires_grad:
             return _packed_decode(q, k, v, softmax_scale, return_lse)
         k, v = k.materialize(), v.materialize()
+    bf16_kw = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, seqused_k=seqused_k, key_mask=key_mask, segments=segments,
+                   return_lse=return_lse, backend=backend, dropout_p=dropout_p)
+    if cu_seqlens_q is None and q.dim() == 4 and q.shape[1] <= 16 and q.shape[1] < k.shape[1]:
+        return interface.attention(q, k, v, **bf16_kw)  # decoding against a 16-bit cache
     unsupported = [name for name, bad in (("sliding window", window_size != (-1, -1)), ("softcap", bool(softcap)),
                                           ("ALiBi", alibi_slopes is not None), ("dropout", bool(dropout_p)))
                    if bad]
@@ -234,10 +264,7 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
         _warn_once("fallback:" + ",".join(unsupported),
                    f"{fmt} attention does not support {', '.join(unsupported)}: these calls run in bf16 "
                    "(hf_fastpath.attention.attention) instead.")
-        return interface.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                   return_lse=return_lse, backend=backend, dropout_p=dropout_p)
+        return interface.attention(q, k, v, **bf16_kw)
     d = q.shape[-1]
     if fmt != "fp8" and (d % lq.BLOCK[fmt] or v.shape[-1] != d):
         _warn_once(f"fp4dim:{d}", f"{fmt} needs a head dim that is a multiple of {lq.BLOCK[fmt]} (got {d}); "
@@ -255,13 +282,23 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[-2] % k.shape[-2]:
         raise ValueError(f"query heads ({q.shape[-2]}) must be a multiple of key/value heads ({k.shape[-2]})")
-    kw = dict(causal=bool(causal), softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
-              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-              max_seqlen_k=max_seqlen_k, window_size=window_size, softcap=0.0, alibi_slopes=None)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     rotate = bool(rotate) and d >= 16 and d & (d - 1) == 0
     native_fp4 = _native_fp4_qk(fp4_mma, qk_format or fmt, q)
-    out, lse = _LowBitAttention.apply(q, k, v, fmt, _resolve_p_fp4(p_format), kw, qk_format, rotate,
-                                      fp8_backward, native_fp4)
+    p_fp4 = _resolve_p_fp4(p_format)
+
+    def run(q, k, v, kw):
+        return _lowbit_op(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], int(kw["max_seqlen_q"] or 0),
+                          int(kw["max_seqlen_k"] or 0), bool(causal), scale, fmt, p_fp4, qk_format or fmt, rotate,
+                          native_fp4, fp8_backward)
+
+    kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+              max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, key_mask=key_mask, segments=segments)
+    if seqused_k is not None or key_mask is not None or segments is not None:
+        if return_lse:
+            raise NotImplementedError("return_lse with seqused_k / key_mask / segments is not supported here.")
+        return interface._unpadded(run, q, k, v, kw)[0]
+    out, lse = run(q, k, v, kw)
     return (out, lse) if return_lse else out
 
 

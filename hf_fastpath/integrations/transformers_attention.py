@@ -3,8 +3,10 @@
 `register()` (called by `import hf_fastpath`; idempotent) registers, with both `AttentionInterface` and
 `AttentionMaskInterface`:
 
-- `fastpath`: best available backend (FA3 > FA4 > FA2 > own Triton on CUDA; reference on CPU);
-- `fastpath_triton`, `fastpath_fa2`, `fastpath_fa3`, `fastpath_fa4`: one backend forced (clear error if missing).
+- `fastpath`: the fastest backend this machine has for each call (FA3 > FA4 > FA2 when installed, else our Triton
+  kernel or torch SDPA by the measured table in `attention/dispatch.py`; the reference on the CPU);
+- `fastpath_triton`, `fastpath_fa2`, `fastpath_fa3`, `fastpath_fa4`: one backend forced (clear error if missing or
+  unable to serve a call).
 
 Use them as any Transformers attention: `from_pretrained(..., attn_implementation="fastpath")` or
 `model.set_attn_implementation("fastpath")`. Llama, GPT-2, GPT-NeoX, GPT-J and GPT-BigCode go through Transformers'
@@ -16,19 +18,17 @@ Other attention kernels plug in through the same adapter:
     from hf_fastpath.integrations.transformers_attention import register_attention_variant
     register_attention_variant("fastpath_fp8", fp8_attention)
 
-where `fp8_attention(q, k, v, *, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-window_size, softcap, alibi_slopes, [dropout_p])` has the signature of `hf_fastpath.attention.attention` (q `[B,S,H,D]`,
-or `[T,H,D]` with cu_seqlens). The adapter does everything model-specific: layout, GQA without repeating K/V, padding
-masks (unpadded to varlen), packed batches (`cu_seq_lens_q/k` kwargs or restarting `position_ids`), static caches,
-`is_causal`, `sliding_window`, `softcap`, dropout (fallback to PyTorch SDPA with a one-time warning when the kernel
-has none).
+where `fp8_attention(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, [cu_seqlens_q,
+cu_seqlens_k, max_seqlen_q, max_seqlen_k | key_mask, seqused_k | segments], [dropout_p])` has the signature of
+`hf_fastpath.attention.attention` (q `[B,S,H,D]`, or `[T,H,D]` with cu_seqlens). The adapter does everything
+model-specific: layout, GQA without repeating K/V, padding (`key_mask`), static caches (`seqused_k`), packed batches
+(`segments`, or `cu_seqlens` from `cu_seq_lens_q/k` kwargs), `is_causal`, `sliding_window`, `softcap`, dropout
+(fallback to PyTorch SDPA with a one-time warning when the kernel has none).
 
-Masks: the registered mask function (`fastpath_mask`) is Transformers' flash-attention one (a 2-D `[B, Skv]` padding
-mask or None), extended for static caches whose unfilled tail the 2-D mask does not describe, and for packed batches.
-Host syncs: none on the plain path (no padding, no packing); with a padding mask, packing by `position_ids` or a static
-cache, one per forward (the unpadding indices are computed by the first layer and reused by the others).
-Padded batches are unpadded to varlen (K/V gathered per layer; decode of a padded batch therefore copies the real
-part of the KV cache each step).
+torch.compile: nothing on this path reads a tensor's value on the host while compiling (the mask function and the
+kernel arguments are derived on the device; our kernels are custom ops), so compiled training, prefill and static-cache
+decoding run without graph breaks. Eagerly, one host check per forward drops padding masks that mask nothing and
+finds packed sequences from restarting `position_ids`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import math
 import torch
 
 from ..attention import attention
+from ..attention.interface import _unpadded
+from ..kernels.flash_attention import segment_table
 
 logger = logging.getLogger(__name__)
 
@@ -82,28 +84,34 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                   attention_mask=None, **kwargs):
     """Mask function registered for every `fastpath*` name. Returns one of
     - None: every key in `[0, kv_length)` is real (plain causal attention);
-    - a bool `[B, M]` padding mask over the first M <= kv_length cache slots (as Transformers' flash-attention mask);
-    - an int32 `[B, S]` tensor of packed-sequence ids, when Transformers detected a padding-free packed batch from
-      restarting `position_ids` (so models whose attention never sees `position_ids`, e.g. GPT-BigCode, still keep
-      the sequences apart).
-    Static caches without padding: `generate()` drops the all-ones mask and the cache reports the whole cache as
-    `kv_length`; only the first `q_offset + q_length` slots hold tokens, so we return an all-True mask of that
-    length (the attention function then reads only those slots, densely)."""
+    - a bool `[B, kv_length]` padding mask (True: a real token);
+    - an int8 `[B, kv_length]` static-cache table: 1 a real token, 0 padding, -1 a slot no token has reached yet
+      (static caches hand the attention all `max_cache_len` slots; `q_offset` is then a tensor);
+    - an int32 `[3, B, S]` packed-sequence table (`kernels.flash_attention.segment_table`), when Transformers'
+      mask function keeps packed sequences apart (restarting `position_ids` in a padding-free batch).
+    While compiling nothing reads tensor values on the host (a mask is returned even when all its keys are real);
+    eagerly, one check per forward drops masks that mask nothing."""
+    device = kwargs.get("device")
     if attention_mask is not None:
-        attention_mask = attention_mask[:, -kv_length:]
-        if attention_mask.shape[1] == kv_length and attention_mask.all():
+        device = attention_mask.device
+    elif isinstance(q_offset, torch.Tensor):
+        device = q_offset.device
+    compiling = _compiling()
+    if isinstance(q_offset, torch.Tensor) or kv_offset + kv_length > q_offset + q_length:  # static cache
+        filled = (torch.arange(kv_length, device=device) + kv_offset) < (q_offset + q_length)
+        if attention_mask is None:
+            return torch.where(filled, 1, -1).to(torch.int8)[None].expand(batch_size, kv_length)
+        real = attention_mask.bool()
+        m = real.shape[1]
+        real = torch.nn.functional.pad(real, (0, kv_length - m)) if m < kv_length else real[:, :kv_length]
+        return torch.where(filled[None], real.to(torch.int8), -1).to(torch.int8)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, -kv_length:].bool()
+        if not compiling and attention_mask.shape[1] == kv_length and attention_mask.all():
             return None
         return attention_mask
-    if isinstance(q_offset, torch.Tensor) or kv_offset + kv_length > q_offset + q_length:
-        filled = int(q_offset + q_length) - kv_offset  # one host sync per forward, static caches only
-        if filled < kv_length:
-            device = kwargs.get("device") or (q_offset.device if isinstance(q_offset, torch.Tensor) else None)
-            mask = torch.ones(batch_size, max(filled, 0), dtype=torch.bool, device=device)
-            _remember(_last_mask_info, mask, {"all_valid": True})
-            return mask
-        return None
     if mask_function is not None and mask_function is not _causal_mask_function() and q_length == kv_length > 1:
-        return _packed_segments(mask_function, batch_size, q_length, kwargs.get("device"))
+        return _packed_segments(mask_function, batch_size, q_length, device, compiling)
     return None
 
 
@@ -113,114 +121,102 @@ def _causal_mask_function():
     return causal_mask_function
 
 
-def _packed_segments(mask_function, batch_size, length, device):
-    """Sequence ids `[B, S]` (int32) where query i may not see key i-1, i.e. where a packed sequence starts; None if
-    no such boundary. Only sequence boundaries are taken from `mask_function` (other patterns are not supported)."""
+def _packed_segments(mask_function, batch_size, length, device, compiling):
+    """The packed-sequence table where query i may not see key i-1, i.e. where a packed sequence starts (eagerly:
+    None when there is no such boundary). Only sequence boundaries are taken from `mask_function`."""
     bidx = torch.arange(batch_size, device=device)[:, None]
     qidx = torch.arange(1, length, device=device)[None, :]
     sees_previous = mask_function(bidx, torch.zeros_like(bidx), qidx, qidx - 1).expand(batch_size, length - 1)
-    if bool(sees_previous.all()):
+    if not compiling and bool(sees_previous.all()):
         return None
     starts = (~sees_previous).to(torch.int32)
-    seg = torch.cat([starts.new_zeros(batch_size, 1), starts.cumsum(-1, dtype=torch.int32)], dim=1)
-    return seg
+    ids = torch.cat([starts.new_zeros(batch_size, 1), starts.cumsum(-1, dtype=torch.int32)], dim=1)
+    return segment_table(ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Unpadding, with the result kept for the next layers (all layers of a forward share one mask tensor, so the host
-# syncs of nonzero()/max() happen once per forward, not once per layer)
+# What the kernel is told about the keys: derived on the device, never read on the host while compiling. Eagerly,
+# the few derived tensors are computed by the first layer and reused by the others (all layers share one mask).
 
 _last_mask_info: list = [None]
-_last_packed_info: list = [None]
+_last_position_info: list = [None]
 
 
 def _compiling() -> bool:
-    return hasattr(torch, "compiler") and torch.compiler.is_compiling()
+    return torch.compiler.is_compiling()
 
 
-def _remember(slot, tensor, info, key=None):
+def _remember(slot, tensor, info):
     if not _compiling():
-        slot[0] = (tensor, tensor._version, key, info)
+        slot[0] = (tensor, tensor._version, info)
 
 
-def _recall(slot, tensor, key=None):
+def _recall(slot, tensor):
     cached = slot[0]
-    if (not _compiling() and cached is not None and cached[0] is tensor and cached[1] == tensor._version
-            and (cached[2] is None or cached[2] == key)):
-        return cached[3]
+    if not _compiling() and cached is not None and cached[0] is tensor and cached[1] == tensor._version:
+        return cached[2]
     return None
 
 
-def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-
-
-def _unpad_info(mask: torch.Tensor, sq: int, causal: bool) -> dict:
-    """Indices and cu_seqlens of the real tokens of a `[B, M]` bool padding mask: the keys, and the queries: in
-    causal attention the queries are the last `sq` slots of the mask (prefill, chunked prefill, decode); in
-    non-causal attention with `sq != M` (cross-attention) the mask says nothing about them: all are kept."""
-    info = _recall(_last_mask_info, mask, (sq, causal))
-    if info is not None:
-        return info
-    bmask = mask.bool()
-    if bool(bmask.all()):
-        info = {"all_valid": True}
-        _remember(_last_mask_info, mask, info)
-        return info
-    b, m = bmask.shape
-    lens_k = bmask.sum(-1, dtype=torch.int32)
-    info = {"all_valid": False, "idx_k": bmask.flatten().nonzero().flatten(), "cu_k": _cu_seqlens(lens_k),
-            "max_k": int(lens_k.max())}
-    if sq == m:
-        info.update(idx_q=info["idx_k"], cu_q=info["cu_k"], max_q=info["max_k"])
-    elif sq == 1 or not causal:  # decode (one query per row) or cross-attention: every query row is kept
-        idx_q = torch.arange(b * sq, device=mask.device)
-        info.update(idx_q=idx_q, cu_q=torch.arange(b + 1, dtype=torch.int32, device=mask.device) * sq, max_q=sq)
-    else:  # chunked prefill / speculative decoding: the queries are the last `sq` slots
-        qmask = bmask[:, -sq:]
-        lens_q = qmask.sum(-1, dtype=torch.int32)
-        info.update(idx_q=qmask.flatten().nonzero().flatten(), cu_q=_cu_seqlens(lens_q), max_q=int(lens_q.max()))
-    _remember(_last_mask_info, mask, info, (sq, causal))
+def _static_cache_args(codes: torch.Tensor) -> dict:
+    """Kernel arguments for the int8 static-cache table: the keys in use per row, and the padding."""
+    info = _recall(_last_mask_info, codes)
+    if info is None:
+        info = {"key_mask": codes, "seqused_k": (codes >= 0).sum(-1, dtype=torch.int32)}
+        _remember(_last_mask_info, codes, info)
     return info
 
 
-def _segments_info(seg: torch.Tensor) -> dict:
-    """cu_seqlens of the flattened `[B*S]` tokens from packed-sequence ids `[B, S]`."""
-    info = _recall(_last_mask_info, seg)
-    if info is not None:
-        return info
-    b, s = seg.shape
-    new_seq = torch.ones_like(seg, dtype=torch.bool)
-    new_seq[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    starts = new_seq.flatten().nonzero().flatten().to(torch.int32)
-    cu = torch.cat([starts, starts.new_full((1,), b * s)])
-    info = {"cu_q": cu, "cu_k": cu, "max_q": int(torch.diff(cu).max())}
-    info["max_k"] = info["max_q"]
-    _remember(_last_mask_info, seg, info)
-    return info
-
-
-def _packed_info(position_ids: torch.Tensor) -> dict | None:
-    """cu_seqlens of a packed `[1, T]` batch whose positions restart (a new sequence wherever the position does not
-    grow by one, as Transformers' masks define it); None when it is one plain sequence."""
-    cached = _recall(_last_packed_info, position_ids)
+def _position_segments(position_ids: torch.Tensor):
+    """Eagerly: the packed-sequence table of a `[1, T]` batch whose positions restart (a new sequence wherever the
+    position does not grow by one, as Transformers' masks define it), or None for one plain sequence."""
+    cached = _recall(_last_position_info, position_ids)
     if cached is not None:
-        return cached["info"]
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
-    info = None
-    if starts.numel():
-        cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), pos.numel())]).to(torch.int32)
-        max_len = int(torch.diff(cu).max())
-        info = {"cu_q": cu, "cu_k": cu, "max_q": max_len, "max_k": max_len}
-    _remember(_last_packed_info, position_ids, {"info": info})
-    return info
+        return cached["segments"]
+    starts = torch.diff(position_ids.reshape(1, -1), dim=-1) != 1
+    segments = None
+    if bool(starts.any()):  # one host sync per forward
+        ids = torch.cat([starts.new_zeros(1, 1, dtype=torch.int32), starts.cumsum(-1, dtype=torch.int32)], dim=1)
+        segments = segment_table(ids)
+    _remember(_last_position_info, position_ids, {"segments": segments})
+    return segments
 
 
-def _gather_rows(x: torch.Tensor, flat_idx: torch.Tensor) -> torch.Tensor:
-    """Rows `flat_idx` of `x [B, S, H, D]` seen as `[B*S, H, D]`, without first copying a strided `x`."""
-    s = x.shape[1]
-    return x[flat_idx // s, flat_idx % s]
+def _plan(name, attention_mask, q, k, kwargs) -> dict:
+    """Keyword arguments for the kernel describing which keys each query sees: nothing (dense), `key_mask`,
+    `key_mask` + `seqused_k` (static cache), `segments` (packed) or varlen `cu_seqlens_q/k` (packed, given by
+    `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`)."""
+    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if b != 1:
+            raise ValueError(f"{name}: cu_seq_lens_q/k describe one packed row, got a batch of {b}.")
+        cu_q = (cu_k if cu_q is None else cu_q).to(device=q.device, dtype=torch.int32)
+        cu_k = (cu_q if cu_k is None else cu_k).to(device=q.device, dtype=torch.int32)
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = int(torch.diff(cu_q).max()) if max_q is None else max_q  # host sync only when not given
+        max_k = int(torch.diff(cu_k).max()) if max_k is None else max_k
+        return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    if attention_mask is None:
+        position_ids = kwargs.get("position_ids")
+        if (not _compiling() and b == 1 and sq > 1 and sq == skv and position_ids is not None
+                and position_ids.shape[-1] == sq):  # restarting positions that Transformers' mask did not see
+            segments = _position_segments(position_ids)
+            if segments is not None:
+                return dict(segments=segments)
+        return {}
+    if attention_mask.dim() == 3 and attention_mask.dtype == torch.int32:  # packed-sequence table
+        return dict(segments=attention_mask)
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"{name} attention takes a 2-D padding mask (or None), got a {attention_mask.dim()}-D mask "
+            f"{tuple(attention_mask.shape)}: a custom 4-D mask cannot be honoured by a FlashAttention kernel. "
+            "Pass a 2-D attention_mask, or use attn_implementation='sdpa' for custom masks.")
+    if attention_mask.shape[1] != skv:
+        raise ValueError(f"{name}: the padding mask covers {attention_mask.shape[1]} keys but {skv} keys were given.")
+    if attention_mask.dtype == torch.int8:
+        return _static_cache_args(attention_mask)
+    return dict(key_mask=attention_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,12 +246,12 @@ def _check_inputs(name: str, query: torch.Tensor, key: torch.Tensor, kwargs: dic
                                         "(output_attentions=True); use attn_implementation='eager' to get them.")
 
 
-def _kernel_takes_dropout(kernel_fn) -> bool:
+def _kernel_takes(kernel_fn, arg: str) -> bool:
     try:
         params = inspect.signature(kernel_fn).parameters
     except (TypeError, ValueError):
         return False
-    return "dropout_p" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return arg in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _sdpa_fallback(q, k, v, *, causal, scale, dropout_p, window, alibi_slopes, softcap, pad_mask, seg_ids):
@@ -301,77 +297,38 @@ def _sdpa_fallback(q, k, v, *, causal, scale, dropout_p, window, alibi_slopes, s
 # The adapter
 
 
-def _plan(name, attention_mask, q, k, v, causal, kwargs):
-    """How to feed the kernel: ("dense", k, v, None), ("unpad", k, v, info) or ("packed", k, v, info)."""
-    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f"{name} attention takes a 2-D padding mask (or None), got a {attention_mask.dim()}-D mask "
-                f"{tuple(attention_mask.shape)}: a custom 4-D mask cannot be honoured by a FlashAttention kernel. "
-                "Pass a 2-D attention_mask, or use attn_implementation='sdpa' for custom masks.")
-        if attention_mask.dtype == torch.int32:  # packed-sequence ids from `fastpath_mask`
-            return "packed", k, v, _segments_info(attention_mask)
-        m = attention_mask.shape[1]
-        if m > skv:
-            raise ValueError(f"{name}: the padding mask covers {m} keys but only {skv} keys were given.")
-        if m < skv:  # static cache: only the first m slots hold tokens
-            k, v = k[:, :m], v[:, :m]
-        info = _unpad_info(attention_mask, sq, causal)
-        if info["all_valid"]:
-            return "dense", k, v, None
-        return "unpad", k, v, info
+def _run(kernel_fn, q, k, v, kw, masks, dropout, takes_masks):
+    """kernel_fn on `[B, S, H, D]` views; packed rows given by cu_seqlens go in as `[T, H, D]`. A plug-in kernel
+    without `key_mask` / `seqused_k` / `segments` arguments gets varlen inputs instead (one host sync)."""
+    extra = dict(dropout_p=dropout) if dropout else {}
+    if "cu_seqlens_q" in masks:
+        b, sq = q.shape[0], q.shape[1]
+        out = kernel_fn(q[0], k[0], v[0], **kw, **masks, **extra)
+        return out.view(b, sq, *out.shape[1:])
+    if masks and not takes_masks:
+        def varlen_kernel(q, k, v, varlen):
+            lens = {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")}
+            return kernel_fn(q, k, v, **kw, **lens, **extra), None
 
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True)
-        cu_q = (cu_k if cu_q is None else cu_q).to(device=q.device, dtype=torch.int32)
-        cu_k = (cu_q if cu_k is None else cu_k).to(device=q.device, dtype=torch.int32)
-        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-        max_q = int(torch.diff(cu_q).max()) if max_q is None else int(max_q)
-        max_k = int(torch.diff(cu_k).max()) if max_k is None else int(max_k)
-        return "packed", k, v, {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
-
-    position_ids = kwargs.get("position_ids")
-    if b == 1 and sq > 1 and sq == skv and position_ids is not None and position_ids.shape[-1] == sq:
-        info = _packed_info(position_ids)  # restarting positions (padding-free batch without cu_seqlens)
-        if info is not None:
-            return "packed", k, v, info
-    return "dense", k, v, None
+        full = dict(kw, key_mask=masks.get("key_mask"), seqused_k=masks.get("seqused_k"),
+                    segments=masks.get("segments"))
+        return _unpadded(varlen_kernel, q, k, v, full)[0]
+    return kernel_fn(q, k, v, **kw, **masks, **extra)
 
 
-def _run(kernel_fn, mode, q, k, v, info, kw, dropout):
-    b, sq = q.shape[0], q.shape[1]
-    if mode == "dense":
-        return _call(kernel_fn, q, k, v, kw, dropout)
-    if mode == "unpad":
-        out = _call(kernel_fn, _gather_rows(q, info["idx_q"]), _gather_rows(k, info["idx_k"]),
-                    _gather_rows(v, info["idx_k"]), kw, dropout, cu_seqlens_q=info["cu_q"],
-                    cu_seqlens_k=info["cu_k"], max_seqlen_q=info["max_q"], max_seqlen_k=info["max_k"])
-        full = out.new_zeros(b * sq, *out.shape[1:]).index_copy(0, info["idx_q"], out)
-        return full.view(b, sq, *out.shape[1:])
-    qf, kf, vf = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
-    out = _call(kernel_fn, qf, kf, vf, kw, dropout, cu_seqlens_q=info["cu_q"], cu_seqlens_k=info["cu_k"],
-                max_seqlen_q=info["max_q"], max_seqlen_k=info["max_k"])
-    return out.view(b, sq, *out.shape[1:])
-
-
-def _call(kernel_fn, q, k, v, kw, dropout, **varlen):
-    if dropout:
-        return kernel_fn(q, k, v, dropout_p=dropout, **kw, **varlen)
-    return kernel_fn(q, k, v, **kw, **varlen)
-
-
-def _fallback(name, mode, q, k, v, info, attention_mask, kw, dropout):
+def _fallback(name, q, k, v, kw, masks, dropout):
     _warn_once(f"dropout:{name}", f"{name}: the attention kernel has no dropout; training with attention dropout "
                                   f"{dropout} runs through PyTorch SDPA instead (slower). Set the model's attention "
                                   "dropout to 0 to keep the fast kernel.")
-    pad_mask = seg = None
-    if mode == "unpad":
-        pad_mask = attention_mask[:, : k.shape[1]].bool()
-    elif mode == "packed":
-        if not torch.equal(info["cu_q"], info["cu_k"]):
+    if "seqused_k" in masks:
+        raise NotImplementedError(f"{name}: attention dropout with a static KV cache is not supported (it is for "
+                                  "training; generation runs the model in eval mode).")
+    pad_mask = masks["key_mask"] > 0 if "key_mask" in masks else None
+    seg = masks["segments"][0] if "segments" in masks else None
+    if "cu_seqlens_q" in masks:
+        if not torch.equal(masks["cu_seqlens_q"], masks["cu_seqlens_k"]):
             raise NotImplementedError(f"{name}: attention dropout with different query/key packing is not supported.")
-        seg = _segment_ids(info["cu_k"], q.shape[0] * q.shape[1]).view(q.shape[0], q.shape[1])
+        seg = _segment_ids(masks["cu_seqlens_k"], q.shape[1])[None]
     return _sdpa_fallback(q, k, v, causal=kw["causal"], scale=kw["softmax_scale"], dropout_p=dropout,
                           window=kw["window_size"], alibi_slopes=kw["alibi_slopes"], softcap=kw["softcap"],
                           pad_mask=pad_mask, seg_ids=seg)
@@ -386,7 +343,7 @@ def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, kernel_fn, name,
-                       kernel_dropout, **kwargs):
+                       kernel_dropout, kernel_masks, **kwargs):
     """Transformers attention function: query `[B,Hq,Sq,D]`, key/value `[B,Hkv,Skv,D]` -> (`[B,Sq,Hq,D]`, None)."""
     _check_inputs(name, query, key, kwargs)
     is_causal = kwargs.get("is_causal")
@@ -401,23 +358,23 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     kw = dict(causal=bool(is_causal), softmax_scale=scale, window_size=window, softcap=kwargs.get("softcap") or 0.0,
               alibi_slopes=kwargs.get("alibi_slopes"))
     dropout = float(dropout or 0.0) if module.training else 0.0
-
-    mode, k, v, info = _plan(name, attention_mask, q, k, v, kw["causal"], kwargs)
+    masks = _plan(name, attention_mask, q, k, kwargs)
     if dropout:
         if kernel_dropout:
             try:
-                return _run(kernel_fn, mode, q, k, v, info, kw, dropout), None
+                return _run(kernel_fn, q, k, v, kw, masks, dropout, kernel_masks), None
             except NotImplementedError:
                 pass
-        return _fallback(name, mode, q, k, v, info, attention_mask, kw, dropout), None
-    return _run(kernel_fn, mode, q, k, v, info, kw, 0.0), None
+        return _fallback(name, q, k, v, kw, masks, dropout), None
+    return _run(kernel_fn, q, k, v, kw, masks, 0.0, kernel_masks), None
 
 
 def make_attention_function(kernel_fn, name: str = "fastpath"):
     """A Transformers attention function (`fn(module, query, key, value, attention_mask, scaling, dropout,
     **kwargs) -> (out [B,Sq,Hq,D], None)`) running `kernel_fn` (signature of `hf_fastpath.attention.attention`)."""
     fn = functools.partial(_attention_forward, kernel_fn=kernel_fn, name=name,
-                           kernel_dropout=_kernel_takes_dropout(kernel_fn))
+                           kernel_dropout=_kernel_takes(kernel_fn, "dropout_p"),
+                           kernel_masks=_kernel_takes(kernel_fn, "key_mask"))
     functools.update_wrapper(fn, _attention_forward)
     fn.__name__ = f"{name}_attention_forward"
     return fn
