@@ -14,6 +14,7 @@ import torch
 
 from hf_fastpath.attention import attention, attention_forward, backends, reference
 from hf_fastpath.attention.backends import BackendUnavailable, describe_backends, select_backend
+from hf_fastpath.kernels.common import WARNED
 
 CALLS = []
 
@@ -115,7 +116,7 @@ def install(monkeypatch):
     for mod in ("flash_attn", "flash_attn_interface", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, mod, None)  # None in sys.modules makes the import fail: "not installed"
     CALLS.clear()
-    backends._warned.clear()
+    WARNED.clear()
 
     def _install(*names, capability=(9, 0)):
         for n in names:

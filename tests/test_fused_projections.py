@@ -16,6 +16,7 @@ import hf_fastpath
 from hf_fastpath.integrations import fused_projections
 from hf_fastpath.integrations.transformers_quantizer import attach_quantization_config
 from hf_fastpath.kernels import w4a16 as K
+from hf_fastpath.kernels.common import WARNED
 from hf_fastpath.quantization import W4A16Config, W4A16Linear, w4a16_backend
 from hf_fastpath.quantization import linear as qlinear
 from hf_fastpath.quantization.calibrate import quantize_model
@@ -218,7 +219,7 @@ def test_group_that_cannot_be_restored_runs_unfused_with_a_warning(caplog, conca
     for m in (model, plain):
         m.model.layers[0].self_attn.k_proj.to(BF16)
     ids, _ = random_batch(batch=1, seq=5)
-    qlinear._warned.discard("siblings-refused")
+    WARNED.discard("w4a16:siblings-refused")
     with w4a16_backend("kernel"), torch.no_grad(), caplog.at_level(logging.WARNING):
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-3, atol=1e-3)
     assert "can no longer be stored back to back" in caplog.text

@@ -9,6 +9,7 @@ import torch
 from hf_fastpath.attention import attention, lowbit, reference
 from hf_fastpath.kernels import lowbit_attention as kla
 from hf_fastpath.kernels import lowbit_quant as lq
+from hf_fastpath.kernels.common import WARNED
 
 CASES = [("fp8", False), ("mxfp4", False), ("nvfp4", False), ("mxfp4", True)]
 
@@ -123,7 +124,7 @@ def test_backward_straight_through(fmt):
 
 def test_fp8_backward_without_triton_runs_in_full_precision_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(lowbit.interface, "use_triton", lambda t: False)  # a CPU without TRITON_INTERPRET=1
-    lowbit._WARNED.discard("fp8-backward-cpu")
+    WARNED.discard("lowbit:fp8-backward-cpu")
     q, k, v = (torch.randn(1, 9, 2, 16) for _ in range(3))
     grads = []
     for backward in ("bf16", "fp8"):
@@ -337,7 +338,7 @@ def test_fp4_mma_choices(caplog):
     torch.testing.assert_close(native, fp8, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lowbit.fp4_attention(q, k, v, causal=True), fp8, atol=0, rtol=0)
     assert not lowbit._native_fp4_qk("auto", "mxfp4", q)
-    lowbit._WARNED.clear()
+    WARNED.clear()
     with caplog.at_level(logging.WARNING):
         nv = lowbit.fp4_attention(q, k, v, fmt="nvfp4", causal=True, fp4_mma="native")
     assert "built for MXFP4 Q/K" in caplog.text
@@ -357,7 +358,7 @@ def test_native_fp4_falls_back_on_gpus_without_fp4_tensor_cores(monkeypatch, cap
     """Only the device and head dim of q matter for the choice: a stand-in for a CUDA tensor."""
     cuda_q = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 4, 2, 64))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    lowbit._WARNED.clear()
+    WARNED.clear()
     with caplog.at_level(logging.WARNING):
         assert not lowbit._native_fp4_qk("native", "mxfp4", cuda_q)
         assert not lowbit._native_fp4_qk("auto", "mxfp4", cuda_q)

@@ -17,6 +17,7 @@ import transformers
 import hf_fastpath  # noqa: F401  (registers the attention names)
 from hf_fastpath.attention import attention, reference
 from hf_fastpath.integrations import transformers_attention as ta
+from hf_fastpath.kernels.common import WARNED
 from models import FAMILIES, random_batch, tiny_config, tiny_model
 
 ATOL = 2e-5
@@ -290,7 +291,7 @@ def test_dropout_without_kernel_support_falls_back_to_sdpa_with_one_warning(capl
         return reference.attention_forward(q, k, v, **kw)[0]
 
     ta.register_attention_variant("fastpath_test_nodropout", no_dropout_kernel)
-    ta._warned.discard("dropout:fastpath_test_nodropout")
+    WARNED.discard("adapter:dropout:fastpath_test_nodropout")
     model = tiny_model("llama", "fastpath_test_nodropout", attention_dropout=0.3).train()
     ids, mask = random_batch(2, 6, left_pad=(2,), seed=8)
     with caplog.at_level(logging.WARNING, logger=ta.__name__):

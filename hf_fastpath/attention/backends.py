@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from . import dispatch
+from ..kernels.common import warn_once
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "describe_backends", "select_backend", "run_backend"]
 
 BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "sdpa", "reference")
-_warned: set[str] = set()
 
 
 class BackendUnavailable(RuntimeError):
@@ -33,9 +33,7 @@ class BackendUnavailable(RuntimeError):
 
 
 def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        logger.warning(msg)
+    warn_once(__name__, msg, msg)
 
 
 _CAPABILITIES: dict[int, tuple] = {}  # a dict, not lru_cache: torch.compile reads it as a constant

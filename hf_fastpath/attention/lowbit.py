@@ -24,6 +24,7 @@ import torch
 
 from ..kernels import lowbit_attention as kla
 from ..kernels import lowbit_quant as lq
+from ..kernels.common import warn_once
 from . import interface, ops
 
 Tensor = torch.Tensor
@@ -32,13 +33,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["fp8_attention", "fp4_attention", "lowbit_attention", "quantize_for_attention"]
 
-_WARNED: set[str] = set()
-
-
 def _warn_once(key: str, msg: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(msg)
+    warn_once(__name__, "lowbit:" + key, msg)
 
 
 def _resolve_p_fp4(p_format: str) -> bool:

@@ -43,6 +43,7 @@ import torch
 from ..attention import attention
 from ..attention.interface import _unpadded
 from ..kernels.flash_attention import segment_table
+from ..kernels.common import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,8 @@ VARIANTS: dict[str, callable] = {}
 
 _MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_warned: set[str] = set()
-
-
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
+    warn_once(__name__, "adapter:" + key, message)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -36,19 +36,15 @@ import torch
 from torch import nn
 
 from . import formats as F
+from ..kernels.common import warn_once
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "awq")
 _BACKENDS = ("auto", "kernel", "reference")
 _backend = "auto"
-_warned: set[str] = set()
-
-
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
+    warn_once(__name__, "w4a16:" + key, message)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,41 @@
+"""Small helpers every layer of the package uses (kernels sit at the bottom, so they live here)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+__all__ = ["interpreting", "cdiv", "next_pow2", "warn_once", "WARNED"]
+
+WARNED: set[str] = set()  # keys of the one-time warnings given so far (tests may discard keys to see them again)
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1), read per call: tests toggle it."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a jit function: ~40 us per call from Python
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@torch.compiler.assume_constant_result
+def _emit(logger_name: str, message: str) -> bool:
+    # torch.compile cannot trace a logging call (a graph break); a constant-result function runs once, in Python,
+    # while Dynamo traces, so the warning is given then and the compiled graph stays whole
+    logging.getLogger(logger_name).warning(message)
+    return True
+
+
+def warn_once(logger_name: str, key: str, message: str) -> None:
+    """Log `message` as a warning of logger `logger_name` (pass `__name__`) the first time `key` is seen in this
+    process, also from code that torch.compile traces."""
+    if key not in WARNED:
+        WARNED.add(key)
+        _emit(logger_name, message)
