@@ -136,3 +136,26 @@ def test_static_cache_forward_has_no_graph_break_or_recompile():
             torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
             token = logits[:, -1:].argmax(-1)
     assert graphs_after_prefill == 1 and backend.graphs == 2  # one prefill graph, one decode graph
+
+
+def test_w4a16_model_static_cache_generate_compiles_once():
+    """A W4A16 model (q/k/v and gate/up fused) with `fastpath` attention: one decode graph for every step."""
+    from hf_fastpath.quantization import W4A16Config, w4a16_backend
+    from hf_fastpath.quantization.calibrate import quantize_model
+
+    model = tiny_model("llama", "fastpath", dtype=torch.float16, hidden_size=128, intermediate_size=256)
+    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
+    assert hf_fastpath.fuse_projections(model) == 4
+    ids, mask = random_batch(2, 5, left_pad=(0, 1), seed=5)
+    backend = CountingBackend()
+    config = transformers.CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_logits=True, cache_implementation="static")
+    with w4a16_backend("kernel"):
+        got = model.generate(ids, compile_config=config, **kw)
+        want = model.generate(ids, disable_compile=True, **kw)
+    assert backend.graphs == 1
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)

@@ -1,0 +1,195 @@
+"""The scoreboard: `attn_implementation="fastpath"` against Transformers' default `"sdpa"` on whole models, the
+workflows a user runs, both in one process on the same weights.
+
+    python benchmarks/end_to_end.py [--layers 4] [--only train,prefill,eager,compiled]   # GPU; JSON to results/
+    python benchmarks/end_to_end.py --plot benchmarks/results/end_to_end.json         # PNG (no GPU needed)
+
+Model: Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP 14336, vocab 128256), `--layers` decoder
+layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
+Rows (each: sdpa, fastpath, fastpath / sdpa; higher is better everywhere):
+- train: forward + backward (all parameters, loss on every token), tokens/s, 1 x 8192 tokens, and the same tokens
+  as 4 packed sequences of 2048 (restarting position_ids, no cache, as a padding-free collator gives them);
+- prefill: forward of 1 x {1k, 8k, 32k} tokens, reported as tokens/s;
+- generate eager / generate compiled: `generate()` with a dynamic cache, and with `cache_implementation="static"`
+  (Transformers compiles the decode step: fullgraph, CUDA graphs), batch {1, 8} x prompt {512, 4096}, 32 new
+  tokens, tokens/s (batch x new tokens / time). Compiled rows also count Dynamo's graph breaks and graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "end_to_end.json")
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=40960)
+IMPLS = ("sdpa", "fastpath")
+NEW_TOKENS = 32
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def _sync_time(fn, reps=3):
+    """Median seconds of fn() over `reps` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def train_rows(model, packed):
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 8192), device="cuda")
+    kw = dict(labels=ids)
+    if packed:
+        kw.update(position_ids=torch.arange(2048, device="cuda").repeat(4)[None], use_cache=False)
+
+    def step():
+        model(ids, **kw).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return 8192 / _sync_time(step)
+
+
+def prefill_rows(model, tokens):
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+
+    def fwd():
+        with torch.no_grad():
+            model(ids, use_cache=False, logits_to_keep=1)
+
+    return tokens / _sync_time(fwd)
+
+
+def generate_rows(model, batch, prompt, compiled):
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    if compiled:
+        kw["cache_implementation"] = "static"
+    else:
+        kw["disable_compile"] = True
+    return batch * NEW_TOKENS / _sync_time(lambda: model.generate(ids, **kw), reps=2)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--only", default="train,prefill,eager,compiled")
+    ap.add_argument("--dtypes", default="bf16,w4a16")
+    ap.add_argument("--compiled-shapes", default="1x512,8x4096")
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    if args.plot:
+        return plot(args.plot)
+    import transformers
+
+    import hf_fastpath  # noqa: F401
+    from hf_fastpath.quantization.calibrate import quantize_model
+    from hf_fastpath.quantization.config import W4A16Config
+
+    only, dtypes = set(args.only.split(",")), args.dtypes.split(",")
+    res = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                         transformers=transformers.__version__, date=datetime.date.today().isoformat(),
+                         layers=args.layers, model="Llama-3-8B shape, random weights", new_tokens=NEW_TOKENS),
+               rows=[])
+    if os.path.exists(args.out):  # runs split over several calls add their rows to one file
+        old = json.load(open(args.out))
+        res["rows"] = [r for r in old.get("rows", []) if r["workflow"] not in only or r["dtype"] not in dtypes]
+
+    def record(workflow, dtype, shape, unit, fn):
+        row = dict(workflow=workflow, dtype=dtype, shape=shape, unit=unit)
+        for impl in IMPLS:
+            model.set_attn_implementation(impl)
+            torch._dynamo.reset()
+            from torch._dynamo.utils import counters
+
+            counters.clear()
+            try:
+                row[impl] = fn()
+            except Exception as exc:  # noqa: BLE001 - keep the other rows
+                row[impl] = None
+                row[f"{impl}_error"] = repr(exc)[:300]
+            if workflow == "generate compiled":  # one graph for the decode step when nothing breaks or recompiles
+                row[f"{impl}_graph_breaks"] = sum(counters["graph_break"].values())
+                row[f"{impl}_graphs"] = counters["stats"]["unique_graphs"]
+            torch.cuda.empty_cache()
+        if row.get("sdpa") and row.get("fastpath"):
+            row["ratio"] = row["fastpath"] / row["sdpa"]
+        res["rows"].append(row)
+        log(json.dumps(row))
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    config = transformers.LlamaConfig(**LLAMA3_8B, num_hidden_layers=args.layers)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = 0
+    for dtype in dtypes:
+        if dtype == "w4a16":
+            model.eval()
+            quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=128, sym=False))
+            hf_fastpath.fuse_projections(model)
+            torch.cuda.empty_cache()
+        if "train" in only and dtype == "bf16":
+            model.train()
+            record("train", dtype, "1x8192", "tokens/s", lambda: train_rows(model, packed=False))
+            record("train packed", dtype, "4x2048 packed", "tokens/s", lambda: train_rows(model, packed=True))
+        model.eval()
+        if "prefill" in only:
+            for tokens in (1024, 8192, 32768):
+                record("prefill", dtype, f"1x{tokens}", "tokens/s", lambda t=tokens: prefill_rows(model, t))
+        if "eager" in only:
+            for batch in (1, 8):
+                for prompt in (512, 4096):
+                    record("generate eager", dtype, f"{batch}x{prompt}", "tokens/s",
+                           lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=False))
+        if "compiled" in only:
+            for shape in args.compiled_shapes.split(","):
+                batch, prompt = (int(x) for x in shape.split("x"))
+                record("generate compiled", dtype, shape, "tokens/s",
+                       lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=True))
+    log("wrote", args.out)
+
+
+def plot(path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in json.load(open(path))["rows"] if r.get("ratio")]
+    labels = [f"{r['workflow']} {r['dtype']} {r['shape']}" for r in rows]
+    ratios = [r["ratio"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) + 1.5))
+    ax.barh(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("fastpath / sdpa (throughput; > 1: fastpath faster)")
+    ax.set_title("End to end, Llama-3-8B shape, H200")
+    fig.tight_layout()
+    png = os.path.splitext(path)[0] + ".png"
+    fig.savefig(png, dpi=130)
+    print("wrote", png)
+
+
+if __name__ == "__main__":
+    main()
