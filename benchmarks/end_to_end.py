@@ -1,7 +1,7 @@
 """The scoreboard: `attn_implementation="fastpath"` against Transformers' default `"sdpa"` on whole models, the
 workflows a user runs, both in one process on the same weights.
 
-    python benchmarks/end_to_end.py [--layers 4] [--only train,prefill,eager,compiled]   # GPU; JSON to results/
+    python benchmarks/end_to_end.py [--layers 4] [--only train,packed,prefill,eager,compiled]  # GPU; JSON
     python benchmarks/end_to_end.py --plot benchmarks/results/end_to_end.json         # PNG (no GPU needed)
 
 Model: Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP 14336, vocab 128256), `--layers` decoder
@@ -89,7 +89,7 @@ def generate_rows(model, batch, prompt, compiled):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--only", default="train,prefill,eager,compiled")
+    ap.add_argument("--only", default="train,packed,prefill,eager,compiled")
     ap.add_argument("--dtypes", default="bf16,w4a16")
     ap.add_argument("--compiled-shapes", default="1x512,8x4096")
     ap.add_argument("--out", default=RESULTS)
@@ -110,25 +110,30 @@ def main():
                rows=[])
     if os.path.exists(args.out):  # runs split over several calls add their rows to one file
         old = json.load(open(args.out))
-        res["rows"] = [r for r in old.get("rows", []) if r["workflow"] not in only or r["dtype"] not in dtypes]
+        keys = {"train": "train", "train packed": "packed", "prefill": "prefill", "generate eager": "eager",
+                "generate compiled": "compiled"}
+        res["rows"] = [r for r in old.get("rows", []) if keys[r["workflow"]] not in only or r["dtype"] not in dtypes]
 
-    def record(workflow, dtype, shape, unit, fn):
+    def record(workflow, dtype, shape, unit, fn, rounds):
+        """Both implementations, alternating `rounds` times (the host's speed drifts: eager decoding is host-bound);
+        each keeps its best round."""
         row = dict(workflow=workflow, dtype=dtype, shape=shape, unit=unit)
-        for impl in IMPLS:
-            model.set_attn_implementation(impl)
-            torch._dynamo.reset()
-            from torch._dynamo.utils import counters
+        for _ in range(rounds):
+            for impl in IMPLS:
+                model.set_attn_implementation(impl)
+                torch._dynamo.reset()
+                from torch._dynamo.utils import counters
 
-            counters.clear()
-            try:
-                row[impl] = fn()
-            except Exception as exc:  # noqa: BLE001 - keep the other rows
-                row[impl] = None
-                row[f"{impl}_error"] = repr(exc)[:300]
-            if workflow == "generate compiled":  # one graph for the decode step when nothing breaks or recompiles
-                row[f"{impl}_graph_breaks"] = sum(counters["graph_break"].values())
-                row[f"{impl}_graphs"] = counters["stats"]["unique_graphs"]
-            torch.cuda.empty_cache()
+                counters.clear()
+                try:
+                    row[impl] = max(fn(), row.get(impl) or 0.0)
+                except Exception as exc:  # noqa: BLE001 - keep the other rows
+                    row[impl] = None
+                    row[f"{impl}_error"] = repr(exc)[:300]
+                if workflow == "generate compiled":  # one decode graph when nothing breaks or recompiles
+                    row[f"{impl}_graph_breaks"] = sum(counters["graph_break"].values())
+                    row[f"{impl}_graphs"] = counters["stats"]["unique_graphs"]
+                torch.cuda.empty_cache()
         if row.get("sdpa") and row.get("fastpath"):
             row["ratio"] = row["fastpath"] / row["sdpa"]
         res["rows"].append(row)
@@ -147,24 +152,26 @@ def main():
             quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=128, sym=False))
             hf_fastpath.fuse_projections(model)
             torch.cuda.empty_cache()
-        if "train" in only and dtype == "bf16":
+        if dtype == "bf16" and only & {"train", "packed"}:
             model.train()
-            record("train", dtype, "1x8192", "tokens/s", lambda: train_rows(model, packed=False))
-            record("train packed", dtype, "4x2048 packed", "tokens/s", lambda: train_rows(model, packed=True))
+            if "train" in only:
+                record("train", dtype, "1x8192", "tokens/s", lambda: train_rows(model, packed=False), 2)
+            if "packed" in only:
+                record("train packed", dtype, "4x2048 packed", "tokens/s", lambda: train_rows(model, packed=True), 2)
         model.eval()
         if "prefill" in only:
             for tokens in (1024, 8192, 32768):
-                record("prefill", dtype, f"1x{tokens}", "tokens/s", lambda t=tokens: prefill_rows(model, t))
+                record("prefill", dtype, f"1x{tokens}", "tokens/s", lambda t=tokens: prefill_rows(model, t), 3)
         if "eager" in only:
             for batch in (1, 8):
                 for prompt in (512, 4096):
                     record("generate eager", dtype, f"{batch}x{prompt}", "tokens/s",
-                           lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=False))
+                           lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=False), 3)
         if "compiled" in only:
             for shape in args.compiled_shapes.split(","):
                 batch, prompt = (int(x) for x in shape.split("x"))
                 record("generate compiled", dtype, shape, "tokens/s",
-                       lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=True))
+                       lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=True), 1)
     log("wrote", args.out)
 
 

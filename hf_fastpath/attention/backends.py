@@ -14,7 +14,7 @@ import importlib
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -52,9 +52,9 @@ def cuda_capability(t: torch.Tensor | None = None):
     return cap
 
 
-@dataclass(frozen=True)
-class Request:
-    """What one attention call needs from a backend: the features it uses and its shape (for `dispatch`)."""
+class Request(NamedTuple):
+    """What one attention call needs from a backend: the features it uses and its shape (for `dispatch`). A named
+    tuple: built on every call, a frozen dataclass cost several µs of host time."""
 
     dtype: torch.dtype
     head_dim: int
@@ -84,14 +84,13 @@ class Request:
             q_len, kv_len = kw.get("max_seqlen_q") or q.shape[0], kw.get("max_seqlen_k") or k.shape[0]
         else:
             batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
-        return cls(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1], varlen=varlen,
-                   window=tuple(kw.get("window_size", (-1, -1))) != (-1, -1),
-                   softcap=bool(kw.get("softcap") or 0.0), alibi=kw.get("alibi_slopes") is not None,
-                   dropout=dropout_p > 0, capability=cuda_capability(q), causal=bool(kw.get("causal")),
-                   key_mask=kw.get("key_mask") is not None or kw.get("segments") is not None,
-                   seqused=kw.get("seqused_k") is not None,
-                   train=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)), lse=return_lse,
-                   batch=batch, q_len=q_len, kv_len=kv_len, heads=q.shape[-2], kv_heads=k.shape[-2])
+        window = kw.get("window_size", (-1, -1))
+        return cls(q.dtype, q.shape[-1], v.shape[-1], varlen, window[0] != -1 or window[1] != -1,
+                   bool(kw.get("softcap")), kw.get("alibi_slopes") is not None, dropout_p > 0, cuda_capability(q),
+                   bool(kw.get("causal")), kw.get("key_mask") is not None or kw.get("segments") is not None,
+                   kw.get("seqused_k") is not None,
+                   torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), return_lse,
+                   batch, q_len, kv_len, q.shape[-2], k.shape[-2])
 
 
 _MISSING: set[str] = set()

@@ -109,8 +109,10 @@ def _key_visible(KM_ptr, seg_q, offs_n, seqlen_k, MASKED: tl.constexpr, MASK_MOD
     else:
         km = tl.load(KM_ptr + offs_n)
     if MASK_MODE == 2:
-        return km[None, :] == seg_q[:, None]
-    return (km > 0)[None, :]
+        visible = km[None, :] == seg_q[:, None]
+    else:
+        visible = (km > 0)[None, :]
+    return visible
 
 
 @triton.jit
@@ -775,6 +777,9 @@ _DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: 
 # divisions, conversions, a register-layout change for the FP8 operand) adds ~50% SASS to the dK/dV loop.
 _BWD_FP8_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2),
                     256: (32, 32, 4, 2)}
+# float32 inputs take twice the shared memory: where the 16-bit tiles would not fit in Hopper's 227 KB (offline
+# builds, tests/sm90_builds.py), smaller ones.
+_FP32_CONFIGS = {("fwd", 256): (64, 32, 4, 2), ("dq", 128): (64, 64, 4, 2)}
 _INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tiny test shape, quick to interpret
 
 # Benchmarks/tests may pin configs: {"fwd": (BM, BN, warps, stages), "dkdv": ..., "dq": ...}.
@@ -793,11 +798,13 @@ def _block_dim(d: int) -> int:
     return max(16, _next_pow2(d))
 
 
-def _config(kind: str, block_d: int, decode: bool = False):
+def _config(kind: str, block_d: int, decode: bool = False, fp32: bool = False):
     if kind in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[kind]
     if _interpreting():
         return _INTERPRET_CONFIG
+    if fp32 and not decode and (kind, block_d) in _FP32_CONFIGS:
+        return _FP32_CONFIGS[kind, block_d]
     if kind == "fwd":
         return (_FWD_DECODE_CONFIGS if decode else _FWD_CONFIGS)[block_d]
     if kind.endswith("_fp8"):
@@ -979,7 +986,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         return out, lse
     bdk, bdv = _block_dim(d_qk), _block_dim(d_v)
     decode = mq <= 16
-    bm, bn, warps, stages = _config("fwd", max(bdk, bdv), decode=decode)
+    bm, bn, warps, stages = _config("fwd", max(bdk, bdv), decode=decode, fp32=q.dtype == torch.float32)
     pack = decode and hq > hkv  # tile rows = (query head of the group, query): K/V read once per KV head
     rows_per_head = mq * (hq // hkv) if pack else mq
     programs = _cdiv(rows_per_head, bm) * (hkv if pack else hq) * batch
@@ -1084,7 +1091,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         fp8 = (q8t, qs, do8t, dos, q8t.shape[-1])
         fp8_k = (k8t, ks, k8t.shape[-1])
     suffix = "_fp8" if fp8_products else ""
-    bm, bn, warps, stages = _config("dkdv" + suffix, bdmax)
+    fp32 = q.dtype == torch.float32
+    bm, bn, warps, stages = _config("dkdv" + suffix, bdmax, fp32=fp32)
     _bwd_dkdv_kernel[(_cdiv(mk, bn), hkv, batch)](
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *masks, *fp8,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
@@ -1092,7 +1100,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
         dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-    bm, bn, warps, stages = _config("dq" + suffix, bdmax)
+    bm, bn, warps, stages = _config("dq" + suffix, bdmax, fp32=fp32)
     _bwd_dq_kernel[(_cdiv(mq, bm), hq, batch)](
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *masks, *fp8_k,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),

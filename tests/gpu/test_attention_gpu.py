@@ -96,3 +96,14 @@ def test_static_cache_chunks(sq):
     q, k, v = _qkv(2, sq, 2048, 32, 8, 128)
     used = torch.tensor([1500, sq + 3], device="cuda", dtype=torch.int32)
     _check(f"static chunk q{sq}", q, k, v, causal=True, seqused_k=used)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_segments_forward_backward(d):
+    from hf_fastpath.kernels.flash_attention import segment_table
+
+    torch.manual_seed(d + 1)
+    lengths = [700, 1, 333, 64, 950]  # one-token and block-straddling sequences
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
+    q, k, v = _qkv(1, sum(lengths), sum(lengths), 8, 2, d)
+    _check(f"packed d{d}", q, k, v, grads=True, causal=True, segments=segment_table(ids))
