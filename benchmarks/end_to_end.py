@@ -83,7 +83,32 @@ def generate_rows(model, batch, prompt, compiled):
         kw["cache_implementation"] = "static"
     else:
         kw["disable_compile"] = True
-    return batch * NEW_TOKENS / _sync_time(lambda: model.generate(ids, **kw), reps=2)
+    return batch * NEW_TOKENS / _sync_time(lambda: model.generate(ids, **kw), reps=3)
+
+
+def profile_generate(model, batch, prompt):
+    """Where a compiled decode step's time goes, per implementation: the CUDA kernels of one static-cache
+    generate() (after a warm-up that compiles) and the CUDA-graph launches (0: inductor did not use CUDA graphs)."""
+    import logging
+
+    from torch.profiler import ProfilerActivity, profile
+
+    logging.getLogger("torch._inductor.cudagraph_trees").setLevel(logging.DEBUG)
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+        torch._dynamo.reset()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            model.generate(ids, **kw)
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if "cudaGraphLaunch" in e.key)
+        log(f"== {impl}: cudaGraphLaunch x{launches}")
+        log(events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def main():
@@ -94,6 +119,7 @@ def main():
     ap.add_argument("--compiled-shapes", default="1x512,8x4096")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--plot")
+    ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt and stop")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
@@ -146,6 +172,9 @@ def main():
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.generation_config.pad_token_id = 0
+    if args.profile:
+        model.eval()
+        return profile_generate(model, *(int(x) for x in args.profile.split("x")))
     for dtype in dtypes:
         if dtype == "w4a16":
             model.eval()
@@ -171,7 +200,7 @@ def main():
             for shape in args.compiled_shapes.split(","):
                 batch, prompt = (int(x) for x in shape.split("x"))
                 record("generate compiled", dtype, shape, "tokens/s",
-                       lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=True), 1)
+                       lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=True), 2)
     log("wrote", args.out)
 
 
