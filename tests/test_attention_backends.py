@@ -117,12 +117,14 @@ def install(monkeypatch):
         monkeypatch.setitem(sys.modules, mod, None)  # None in sys.modules makes the import fail: "not installed"
     CALLS.clear()
     WARNED.clear()
+    backends.clear_choices()
 
     def _install(*names, capability=(9, 0)):
         for n in names:
             mod, make = FACTORIES[n]
             monkeypatch.setitem(sys.modules, mod, make())
         monkeypatch.setattr(backends, "cuda_capability", lambda t=None: capability)
+        backends.clear_choices()
 
     return _install
 

@@ -23,7 +23,8 @@ from ..kernels.common import warn_once
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "describe_backends", "select_backend", "run_backend"]
+__all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "clear_choices", "describe_backends", "select_backend",
+           "run_backend"]
 
 BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "sdpa", "reference")
 
@@ -324,10 +325,40 @@ _OWN = {"triton": TritonBackend(), "sdpa": SDPABackend(), "reference": Reference
 BACKENDS = {**_FLASH, **_OWN}
 
 
+_SELECTED: dict = {}  # "auto" choices by call signature (decoding asks once per layer and token)
+
+
+def _signature(q, k, v, kw, dropout_p, return_lse):
+    """What "auto"'s choice depends on, cheaply: the key length only by power of two (as `dispatch` looks it up)."""
+    window, sk = kw["window_size"], k.shape[-3]
+    return (q.dtype, q.device, q.shape, k.shape[:-3], 1 << max(sk - 1, 0).bit_length(), q.shape[-3] == sk,
+            k.shape[-2], k.shape[-1], v.shape[-1], bool(kw["causal"]), window[0], window[1], bool(kw["softcap"]),
+            kw["alibi_slopes"] is None, kw["cu_seqlens_q"] is None, kw["max_seqlen_q"], kw["max_seqlen_k"],
+            kw["seqused_k"] is None, kw["key_mask"] is None, kw["segments"] is None, dropout_p > 0, return_lse,
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            torch.compiler.is_compiling(), os.environ.get("TRITON_INTERPRET"))
+
+
 def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0, return_lse: bool = False):
     """The backend object for this call. Forced names raise BackendUnavailable / NotImplementedError with the reason;
     "auto" walks FA3 > FA4 > FA2 > (Triton or SDPA, by `dispatch`) on CUDA, Triton under the interpreter, else the
-    reference."""
+    reference (remembered per call signature: `clear_choices()` after installing a package)."""
+    if name == "auto" and "key_mask" in kw:
+        key = _signature(q, k, v, kw, dropout_p, return_lse)
+        chosen = _SELECTED.get(key)
+        if chosen is None:
+            chosen = _SELECTED[key] = _select(name, q, k, v, kw, dropout_p, return_lse)
+        return chosen
+    return _select(name, q, k, v, kw, dropout_p, return_lse)
+
+
+def clear_choices() -> None:
+    """Forget the remembered "auto" choices (after FlashAttention was installed in a running process, or in tests)."""
+    _SELECTED.clear()
+    dispatch._CHOICES.clear()
+
+
+def _select(name, q, k, v, kw, dropout_p, return_lse):
     if name not in BACKEND_NAMES:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}.")
     req = Request.of(q, k, v, kw, dropout_p, return_lse)
