@@ -360,7 +360,9 @@ def test_gptq_matches_a_float64_reference_on_a_real_layer(smollm2_activations, s
     # Identical algorithm, different arithmetic (float32 + Cholesky + lazy blocks vs float64 + explicit inverse):
     # a rare rounding tie may flip, nothing more.
     assert (ours == ref_w.float().double()).double().mean() > 0.99
-    torch.testing.assert_close(q.scales.double(), ref_scales, rtol=2e-3, atol=0)
+    # a flipped tie changes the weights later columns are fitted to, and so (rarely) a later group's scale
+    rel = (q.scales.double() - ref_scales).abs() / ref_scales.abs()
+    assert (rel <= 2e-3).double().mean() > 0.99 and rel.max() < 0.05, rel.max()
     assert (q.zeros.double() == ref_zeros).double().mean() > 0.99
     e_ours, e_ref = output_error(x.double(), w.double(), ours), output_error(x.double(), w.double(), ref_w)
     assert abs(e_ours / e_ref - 1) < 0.02, (e_ours, e_ref)

@@ -302,11 +302,16 @@ class SDPABackend:
 
         return sdpa_unsupported(req)
 
+    @staticmethod
+    def attend(query, key, value, causal: bool, scale: float):
+        """SDPA on `[B, H, S, D]` tensors (the layout Transformers hands attention functions) -> `[B, Hq, Sq, D]`."""
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=causal and query.shape[2] > 1, scale=scale,
+            enable_gqa=query.shape[1] != key.shape[1])
+
     def run(self, q, k, v, kw, dropout_p, return_lse):
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=bool(kw["causal"]) and q.shape[1] > 1, scale=kw["softmax_scale"],
-            enable_gqa=qh.shape[1] != kh.shape[1])
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(kw["causal"]),
+                          kw["softmax_scale"])
         return out.transpose(1, 2), None
 
 
@@ -336,7 +341,7 @@ def _signature(q, k, v, kw, dropout_p, return_lse):
             kw["alibi_slopes"] is None, kw["cu_seqlens_q"] is None, kw["max_seqlen_q"], kw["max_seqlen_k"],
             kw["seqused_k"] is None, kw["key_mask"] is None, kw["segments"] is None, dropout_p > 0, return_lse,
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-            torch.compiler.is_compiling(), os.environ.get("TRITON_INTERPRET"))
+            torch.compiler.is_compiling())
 
 
 def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0, return_lse: bool = False):

@@ -41,6 +41,7 @@ import math
 import torch
 
 from ..attention import attention
+from ..attention.backends import select_backend
 from ..attention.interface import _unpadded
 from ..kernels.flash_attention import segment_table
 from ..kernels.common import warn_once
@@ -338,8 +339,12 @@ def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cumsum(marks, 0)
 
 
+_NO_MASKS = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+                 key_mask=None, segments=None)
+
+
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, kernel_fn, name,
-                       kernel_dropout, kernel_masks, **kwargs):
+                       kernel_dropout, kernel_masks, auto_dispatch=False, **kwargs):
     """Transformers attention function: query `[B,Hq,Sq,D]`, key/value `[B,Hkv,Skv,D]` -> (`[B,Sq,Hq,D]`, None)."""
     _check_inputs(name, query, key, kwargs)
     is_causal = kwargs.get("is_causal")
@@ -355,6 +360,13 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
               alibi_slopes=kwargs.get("alibi_slopes"))
     dropout = float(dropout or 0.0) if module.training else 0.0
     masks = _plan(name, attention_mask, q, k, kwargs)
+    if auto_dispatch and not masks and not dropout and window == (-1, -1) and not kw["softcap"] and \
+            kw["alibi_slopes"] is None:
+        # a plain call: where `fastpath` picks SDPA, call it on Transformers' own [B, H, S, D] tensors (the general
+        # path's layout changes and checks cost ~15 µs of host time a call, which eager decoding pays per layer)
+        backend = select_backend("auto", q, k, v, dict(kw, **_NO_MASKS))
+        if backend.name == "sdpa":
+            return backend.attend(query, key, value, kw["causal"], scale).transpose(1, 2), None
     if dropout:
         if kernel_dropout:
             try:
@@ -365,12 +377,14 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     return _run(kernel_fn, q, k, v, kw, masks, 0.0, kernel_masks), None
 
 
-def make_attention_function(kernel_fn, name: str = "fastpath"):
+def make_attention_function(kernel_fn, name: str = "fastpath", auto_dispatch: bool = False):
     """A Transformers attention function (`fn(module, query, key, value, attention_mask, scaling, dropout,
-    **kwargs) -> (out [B,Sq,Hq,D], None)`) running `kernel_fn` (signature of `hf_fastpath.attention.attention`)."""
+    **kwargs) -> (out [B,Sq,Hq,D], None)`) running `kernel_fn` (signature of `hf_fastpath.attention.attention`).
+    `auto_dispatch`: kernel_fn is `attention(backend="auto")` (plain calls that it would hand to SDPA go there
+    directly)."""
     fn = functools.partial(_attention_forward, kernel_fn=kernel_fn, name=name,
                            kernel_dropout=_kernel_takes(kernel_fn, "dropout_p"),
-                           kernel_masks=_kernel_takes(kernel_fn, "key_mask"))
+                           kernel_masks=_kernel_takes(kernel_fn, "key_mask"), auto_dispatch=auto_dispatch)
     functools.update_wrapper(fn, _attention_forward)
     fn.__name__ = f"{name}_attention_forward"
     return fn
@@ -391,7 +405,8 @@ def register_attention_variant(name: str, kernel_fn, *, mask_fn=fastpath_mask) -
     if bad:
         raise ValueError(f"Attention name {name!r} contains {bad[0]!r}, which Transformers treats specially "
                          "(flash / SDPA / flex checks or Hub-kernel names). Pick another name, e.g. 'fastpath_x'.")
-    fn = make_attention_function(kernel_fn, name)
+    is_auto = getattr(kernel_fn, "func", None) is attention and getattr(kernel_fn, "keywords", None) == {"backend": "auto"}
+    fn = make_attention_function(kernel_fn, name, auto_dispatch=is_auto)
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, mask_fn)
     VARIANTS[name] = fn
