@@ -80,6 +80,17 @@ def _packed_inputs(lengths=(5, 7, 4), seed=2):
     return seqs, ids, position_ids, cu, max(lengths)
 
 
+@pytest.mark.parametrize("family", ["llama", "falcon"])
+def test_packed_training_batch_with_a_cache_is_kept_apart(reference_kernel, family):
+    # use_cache is on by default: Transformers' mask does not look at position_ids then, the adapter does (training)
+    model = tiny_model(family, "fastpath").train()
+    seqs, ids, position_ids, _, _ = _packed_inputs()
+    packed = model(ids, position_ids=position_ids).logits[0]
+    with torch.no_grad():
+        alone = torch.cat([model(s[None]).logits[0] for s in seqs])
+    torch.testing.assert_close(packed.detach(), alone, atol=ATOL, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_batch_equals_sequences_one_by_one(reference_kernel, family):
     _check_packed_batch(family)
@@ -96,7 +107,7 @@ def _check_packed_batch(family):
         collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(
             [{"input_ids": s.tolist()} for s in seqs])
         assert torch.equal(collated["cu_seq_lens_q"], cu) and torch.equal(collated["position_ids"], position_ids)
-        by_cu_seqlens = model(**collated).logits[0]
+        by_cu_seqlens = model(**collated, use_cache=False).logits[0]  # (inference with a cache: as Transformers)
     torch.testing.assert_close(by_positions, alone, atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(by_cu_seqlens, alone, atol=ATOL, rtol=1e-4)
 

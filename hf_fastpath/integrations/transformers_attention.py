@@ -27,8 +27,8 @@ model-specific: layout, GQA without repeating K/V, padding (`key_mask`), static 
 
 torch.compile: nothing on this path reads a tensor's value on the host while compiling (the mask function and the
 kernel arguments are derived on the device; our kernels are custom ops), so compiled training, prefill and static-cache
-decoding run without graph breaks. Eagerly, one host check per forward drops padding masks that mask nothing and
-finds packed sequences from restarting `position_ids`.
+decoding run without graph breaks. Eagerly, one host check per forward drops padding masks that mask nothing, and in
+training finds packed sequences from restarting `position_ids` that Transformers' mask did not look at.
 """
 
 from __future__ import annotations
@@ -179,10 +179,14 @@ def _position_segments(position_ids: torch.Tensor):
     return segments
 
 
-def _plan(name, attention_mask, q, k, kwargs) -> dict:
+def _plan(name, attention_mask, q, k, kwargs, training=False) -> dict:
     """Keyword arguments for the kernel describing which keys each query sees: nothing (dense), `key_mask`,
     `key_mask` + `seqused_k` (static cache), `segments` (packed) or varlen `cu_seqlens_q/k` (packed, given by
-    `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`)."""
+    `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`).
+    Transformers' mask keeps packed sequences apart only when the model made no cache (`use_cache=False`); in
+    training (gradients on), eagerly, restarting `position_ids` are also found here, at one host sync per forward
+    (a model with a cache, `use_cache` being on by default). Inference keeps Transformers' semantics: the sync
+    would stall every prefill (0.84x SDPA at 1k tokens on the H200), and a generate() prefill is never packed."""
     b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
@@ -196,7 +200,7 @@ def _plan(name, attention_mask, q, k, kwargs) -> dict:
         return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
     if attention_mask is None:
         position_ids = kwargs.get("position_ids")
-        if (not _compiling() and b == 1 and sq > 1 and sq == skv and position_ids is not None
+        if (training and not _compiling() and b == 1 and sq > 1 and sq == skv and position_ids is not None
                 and position_ids.shape[-1] == sq):  # restarting positions that Transformers' mask did not see
             segments = _position_segments(position_ids)
             if segments is not None:
@@ -359,7 +363,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     kw = dict(causal=bool(is_causal), softmax_scale=scale, window_size=window, softcap=kwargs.get("softcap") or 0.0,
               alibi_slopes=kwargs.get("alibi_slopes"))
     dropout = float(dropout or 0.0) if module.training else 0.0
-    masks = _plan(name, attention_mask, q, k, kwargs)
+    masks = _plan(name, attention_mask, q, k, kwargs, torch.is_grad_enabled() and query.requires_grad)
     if auto_dispatch and not masks and not dropout and window == (-1, -1) and not kw["softcap"] and \
             kw["alibi_slopes"] is None:
         # a plain call: where `fastpath` picks SDPA, call it on Transformers' own [B, H, S, D] tensors (the general
