@@ -159,3 +159,26 @@ def test_w4a16_model_static_cache_generate_compiles_once():
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+def test_dispatch_to_sdpa_compiles_once(monkeypatch):
+    """On a (pretend) H200 plain calls go to SDPA by the measured table; choosing must not change anything the
+    compiled graph's guards watch (a cache filled while tracing did, and cost a recompilation)."""
+    from hf_fastpath.attention import backends
+
+    monkeypatch.setattr(backends, "cuda_capability", lambda t=None: (9, 0))
+    monkeypatch.setattr(backends.SDPABackend, "missing", lambda self: None)
+    backends.clear_choices()
+    model = tiny_model("llama", "fastpath", dtype=torch.bfloat16)
+    backend = CountingBackend()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    calls = []
+    monkeypatch.setattr(backends.SDPABackend, "attend", staticmethod(
+        lambda *a, f=backends.SDPABackend.attend: calls.append(1) or f(*a)))
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            ids, _ = random_batch(2, 12, seed=seed)
+            got = compiled(ids, use_cache=False).logits
+            torch.testing.assert_close(got, model(ids, use_cache=False).logits, atol=2e-2, rtol=2e-2)
+    assert backend.graphs == 1 and calls  # traced through SDPA once, no recompilation
+    backends.clear_choices()

@@ -110,6 +110,12 @@ def _import(module: str):
         return None
 
 
+@torch.compiler.assume_constant_result
+def _importable(module: str) -> bool:
+    # Dynamo cannot trace an import (a graph break); a constant-result function runs in Python at trace time
+    return _import(module) is not None
+
+
 def _as_tuple(result):
     return result if isinstance(result, tuple) else (result,)
 
@@ -129,7 +135,7 @@ class _FlashBackend:
 
     def missing(self) -> str | None:
         """Why this backend cannot run on this machine at all (None if it can)."""
-        if self.load() is None:
+        if not _importable(self.module):
             return f"not installed ({self.install})"
         return None
 
@@ -262,7 +268,7 @@ class TritonBackend:
     name = "triton"
 
     def missing(self) -> str | None:
-        if _import("triton") is None:
+        if not _importable("triton"):
             return "not installed (pip install triton)"
         if os.environ.get("TRITON_INTERPRET") == "1":
             return None
@@ -340,15 +346,16 @@ def _signature(q, k, v, kw, dropout_p, return_lse):
             k.shape[-2], k.shape[-1], v.shape[-1], bool(kw["causal"]), window[0], window[1], bool(kw["softcap"]),
             kw["alibi_slopes"] is None, kw["cu_seqlens_q"] is None, kw["max_seqlen_q"], kw["max_seqlen_k"],
             kw["seqused_k"] is None, kw["key_mask"] is None, kw["segments"] is None, dropout_p > 0, return_lse,
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-            torch.compiler.is_compiling())
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0, return_lse: bool = False):
     """The backend object for this call. Forced names raise BackendUnavailable / NotImplementedError with the reason;
     "auto" walks FA3 > FA4 > FA2 > (Triton or SDPA, by `dispatch`) on CUDA, Triton under the interpreter, else the
     reference (remembered per call signature: `clear_choices()` after installing a package)."""
-    if name == "auto" and "key_mask" in kw:
+    # (not while compiling: Dynamo runs this once per graph anyway, and a cache filled inside a traced function
+    # changes a global the graph's guards watch, so the next call would compile again)
+    if name == "auto" and "key_mask" in kw and not torch.compiler.is_compiling():
         key = _signature(q, k, v, kw, dropout_p, return_lse)
         chosen = _SELECTED.get(key)
         if chosen is None:

@@ -92,10 +92,13 @@ def choose(req) -> str:
     eager (host time included) figures, compiled code the CUDA-graph ones. Lengths and batches are looked up by
     their power-of-two ceiling, so a growing KV cache does not add a cache entry per token."""
     phase = phase_of(req)
-    if phase == "decode" and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if phase == "decode" and not compiling:
         phase = "decode_eager"
     key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, _pow2(req.batch),
            _pow2(req.kv_len))
+    if compiling:  # a constant at trace time; filling _CHOICES here would trip the graph's guards on the next call
+        return _choose(key)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _CHOICES[key] = _choose(key)
