@@ -122,7 +122,6 @@ def bench_prefill(rows):
                     row["tflops"] = {n: (flops * mult / (t * 1e-3) / 1e12 if t else None) for n, t in row["ms"].items()}
                     rows.append(row)
                     _log(_fmt(row))
-                del q, k, v
 
 
 def bench_decode(rows):
@@ -159,7 +158,6 @@ def bench_decode(rows):
                 row["tbps"] = {n: (kv_bytes / (t * 1e-3) / 1e12 if t else None) for n, t in row["ms"].items()}
                 rows.append(row)
                 _log(_fmt(row))
-                del q, k, v, kd, vd
 
 
 def sweep_decode_configs(rows):
@@ -190,7 +188,7 @@ def sweep_decode_configs(rows):
                         row["ms"][f"{tile}/s{splits}"] = t
                 rows.append(row)
                 best = min(((t, n) for n, t in row["ms"].items() if t), default=None)
-                _log(f"decode cfg d{d} b{b} kv{kv}: default {row['ms'].get(f'{tiles[0]}/s{max(1, fa._num_splits(8 * b, kv, tiles[0][1], q.device))}')} best {best}")
+                _log(f"decode cfg d{d} b{b} kv{kv}: best {best}")
 
 
 def _fmt(row):

@@ -425,8 +425,8 @@ def describe_backends() -> list[dict]:
                 reason = "ok (plain PyTorch, any device; slow, materialises scores)"
             elif name == "sdpa":
                 has_table = dispatch.table_for(cap) is not None
-                reason = (f"ok (sm_{cap[0]}{cap[1]}): 'fastpath' runs it for the plain calls where "
-                          + ("the measured table says it is faster" if has_table else "... no table for this GPU: never"))
+                where = "the measured table says it is faster" if has_table else "... none: no table for this GPU"
+                reason = f"ok (sm_{cap[0]}{cap[1]}): 'fastpath' runs it for the plain calls where {where}"
             elif name == "triton" and cap is None:
                 reason = "ok (TRITON_INTERPRET=1: interpreted on the CPU, slow)"
             else:

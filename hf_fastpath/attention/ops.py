@@ -76,7 +76,8 @@ def _(dout, q, k, v, out, lse, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, slopes, seqused_k, key_mask, segments, causal, scale, left, right, softcap = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, slopes, seqused_k, key_mask, segments = inputs[:11]
+    causal, scale, left, right, softcap = inputs[11:]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, slopes, seqused_k, key_mask, segments)
     ctx.args = (max_q, max_k, causal, scale, left, right, softcap)

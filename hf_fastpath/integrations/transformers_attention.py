@@ -409,8 +409,8 @@ def register_attention_variant(name: str, kernel_fn, *, mask_fn=fastpath_mask) -
     if bad:
         raise ValueError(f"Attention name {name!r} contains {bad[0]!r}, which Transformers treats specially "
                          "(flash / SDPA / flex checks or Hub-kernel names). Pick another name, e.g. 'fastpath_x'.")
-    is_auto = getattr(kernel_fn, "func", None) is attention and getattr(kernel_fn, "keywords", None) == {"backend": "auto"}
-    fn = make_attention_function(kernel_fn, name, auto_dispatch=is_auto)
+    auto = getattr(kernel_fn, "func", None) is attention and getattr(kernel_fn, "keywords", {}) == {"backend": "auto"}
+    fn = make_attention_function(kernel_fn, name, auto_dispatch=auto)
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, mask_fn)
     VARIANTS[name] = fn

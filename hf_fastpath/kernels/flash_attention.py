@@ -16,12 +16,12 @@ Layout of the work:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv, interpreting, next_pow2
 from .device import compute_major, num_sms
 from .launch import LaunchCache
 from .lowbit_attention import _to_e4m3, quantize_e4m3_rows
@@ -30,10 +30,6 @@ __all__ = ["flash_attention_forward", "flash_attention_backward", "segment_table
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,19 +322,19 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK,
         r3_lo, r3_hi = tl.maximum(bb, s0), tl.minimum(hi, s1)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
-                               r1_lo, r1_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
+                               r1_lo, r1_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left,
+                               window_right, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+                               HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
-                               r2_lo, r2_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
+                               r2_lo, r2_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left,
+                               window_right, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT,
+                               HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_ks, stride_vs, k_row, k_col, v_row, v_col,
                                offs_m, offs_dk, offs_dv,
-                               r3_lo, r3_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left, window_right,
-                               KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
+                               r3_lo, r3_hi, seqlen_k, diag, sm_scale, scale_log2, softcap, slope, window_left,
+                               window_right, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT,
+                               HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, PREC, USE_TMA, MASK_MODE)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -736,18 +732,18 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_K, SLOPES, SEQUSED_K, 
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, lo, a, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8, MASK_MODE)
+        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, UPCAST, PREC, FP8, MASK_MODE)
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, a, bb, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8, MASK_MODE)
+        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, UPCAST, PREC, FP8, MASK_MODE)
     dq, dq_s = _bwd_dq_inner(
         dq, dq_s, q, do, lse2, delta, K_ptr, V_ptr, stride_ks, stride_vs, offs_m, offs_dk, offs_dv, bb, hi, seqlen_k,
         diag, sm_scale, scale_log2, softcap, slope, window_left, window_right, K8T_ptr, KS + kv_head, t_k0, t_k_pad,
-        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-        PREC, FP8, MASK_MODE)
+        n_kv_heads, KM_ptr, seg_q, D_QK, D_V, BLOCK_DK, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, UPCAST, PREC, FP8, MASK_MODE)
     dq = dq * (dq_s * sm_scale)
     tl.store(DQ + b64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqs + offs_dk[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -786,22 +782,14 @@ _INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles: more block boundaries per tin
 CONFIG_OVERRIDE: dict = {}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a jit function: ~40 us per call from Python
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _block_dim(d: int) -> int:
-    return max(16, _next_pow2(d))
+    return max(16, next_pow2(d))
 
 
 def _config(kind: str, block_d: int, decode: bool = False, fp32: bool = False):
     if kind in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[kind]
-    if _interpreting():
+    if interpreting():
         return _INTERPRET_CONFIG
     if fp32 and not decode and (kind, block_d) in _FP32_CONFIGS:
         return _FP32_CONFIGS[kind, block_d]
@@ -856,7 +844,7 @@ def _slopes(alibi_slopes):
 
 
 def _flags(q, left, right, softcap, slopes):
-    upcast = _interpreting() and q.dtype != torch.float32  # interpreter's bf16/fp16 dot is wrong
+    upcast = interpreting() and q.dtype != torch.float32  # interpreter's bf16/fp16 dot is wrong
     return dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None,
                 UPCAST=upcast, PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
@@ -879,7 +867,7 @@ def _kv_descriptor(t, block_n, block_d):
     if not ((sh % ss == 0 and d <= ss) or (sh >= d and sh * (h - 1) + d <= ss)):
         return None  # a head's row would straddle two descriptor rows
     span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-    return TensorDescriptor(t, [_cdiv(span, ss), ss], [ss, 1], [block_n, block_d])
+    return TensorDescriptor(t, [cdiv(span, ss), ss], [ss, 1], [block_n, block_d])
 
 
 _TMA_FAILED: set = set()  # (block dims, config) whose TMA variant did not fit in shared memory
@@ -887,19 +875,19 @@ _TMA_FAILED: set = set()  # (block dims, config) whose TMA variant did not fit i
 
 def _use_tma(q, d_qk, d_v, bdk, bdv):
     # head dim 256 with TMA buffers exceeds Hopper's 227 KB of shared memory at useful tile sizes
-    if USE_TMA is False or _interpreting() or not q.is_cuda or bdk != d_qk or bdv != d_v or max(bdk, bdv) > 128:
+    if USE_TMA is False or interpreting() or not q.is_cuda or bdk != d_qk or bdv != d_v or max(bdk, bdv) > 128:
         return False
     return USE_TMA is True or compute_major(q.device) >= 9
 
 
 def _num_splits(programs, seqlen_k, block_n, device):
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return 1
     sms = num_sms(device)
     if programs >= sms:
         return 1
     # about two waves of programs: 1.1-1.3x faster than four at batch 1-8 (attention_dispatch.json, decode_config)
-    return max(1, min(_cdiv(seqlen_k, 4 * block_n), _cdiv(2 * sms, programs), 128))
+    return max(1, min(cdiv(seqlen_k, 4 * block_n), cdiv(2 * sms, programs), 128))
 
 
 def segment_table(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -989,11 +977,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     bm, bn, warps, stages = _config("fwd", max(bdk, bdv), decode=decode, fp32=q.dtype == torch.float32)
     pack = decode and hq > hkv  # tile rows = (query head of the group, query): K/V read once per KV head
     rows_per_head = mq * (hq // hkv) if pack else mq
-    programs = _cdiv(rows_per_head, bm) * (hkv if pack else hq) * batch
+    programs = cdiv(rows_per_head, bm) * (hkv if pack else hq) * batch
     splits = 1 if varlen else (num_splits or _num_splits(programs, mk, bn, q.device))
-    splits = max(1, min(splits, _cdiv(max(mk, 1), bn)))
-    split_len = _cdiv(_cdiv(max(mk, 1), splits), bn) * bn
-    splits = _cdiv(max(mk, 1), split_len)
+    splits = max(1, min(splits, cdiv(max(mk, 1), bn)))
+    split_len = cdiv(cdiv(max(mk, 1), splits), bn) * bn
+    splits = cdiv(max(mk, 1), split_len)
     cu_q = cu_seqlens_q if varlen else q  # unused pointer when dense
     cu_k = cu_seqlens_k if varlen else q
     flags = _flags(q, left, right, softcap, slopes)
@@ -1006,7 +994,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     else:
         o_dst, l_dst = out, lse
         o_strides, l_strides, split_strides = _strides4(out, varlen), _lse_strides(lse, varlen), (0, 0)
-    grid = (_cdiv(rows_per_head, bm), hkv if pack else hq, batch * splits)
+    grid = (cdiv(rows_per_head, bm), hkv if pack else hq, batch * splits)
     meta = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn, IS_VARLEN=varlen,
                 SPLIT=splits > 1, PACK_GQA=pack, HAS_SEQUSED=seqused_k is not None, MASK_MODE=mask_mode,
                 num_warps=warps, num_stages=stages, **flags)
@@ -1034,8 +1022,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         rows = batch * hq * mq
         _COMBINE_LAUNCH.launch((rows,), (o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
                                          *_lse_strides(lse, False)),
-                               dict(D_V=d_v, BLOCK_DV=bdv, BLOCK_SPLITS=max(2, _next_pow2(splits)), num_warps=4),
-                               (d_v, bdv, _next_pow2(splits)))
+                               dict(D_V=d_v, BLOCK_DV=bdv, BLOCK_SPLITS=max(2, next_pow2(splits)), num_warps=4),
+                               (d_v, bdv, next_pow2(splits)))
     return out, lse
 
 
@@ -1045,8 +1033,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
                              grad_dtype=None, fp8_products=False):
     """Returns `(dq, dk, dv)` shaped like q, k, v in `grad_dtype` (default q.dtype), from the given out and lse
     (which may be merged over several key blocks, as in ring attention). `seqused_k`, `key_mask`, `segments` as in
-    the forward (keys they exclude get zero gradients). fp8_products: dV = P^T dO, dK = dS^T Q and dQ = dS K with e4m3 operands
-    (see `_fp8_accumulate`), for low-precision training."""
+    the forward (keys they exclude get zero gradients). fp8_products: dV = P^T dO, dK = dS^T Q and dQ = dS K with
+    e4m3 operands (see `_fp8_accumulate`), for low-precision training."""
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
     dout = dout if dout.dtype == q.dtype else dout.to(q.dtype)  # the dots take one operand dtype
     lse = lse.to(torch.float32).contiguous()
@@ -1076,8 +1064,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     l_strides = _lse_strides(lse, varlen)
-    pre_bm = 64 if not _interpreting() else 16
-    _bwd_preprocess[(_cdiv(mq, pre_bm), hq, batch)](
+    pre_bm = 64 if not interpreting() else 16
+    _bwd_preprocess[(cdiv(mq, pre_bm), hq, batch)](
         out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
         D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen,
@@ -1086,22 +1074,22 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     fp8 = (q,) * 4 + (0,)  # dkdv: Q8T, QS, DO8T, DOS, t_q_pad (unused without fp8_products)
     fp8_k = (q, q, 0)  # dq: K8T, KS, t_k_pad
     if fp8_products:
-        common["FP8"] = 2 if _interpreting() else 1
+        common["FP8"] = 2 if interpreting() else 1
         (q8t, qs), (do8t, dos), (k8t, ks) = (quantize_e4m3_rows(x, "fp8", transpose=True) for x in (q, dout, k))
         fp8 = (q8t, qs, do8t, dos, q8t.shape[-1])
         fp8_k = (k8t, ks, k8t.shape[-1])
     suffix = "_fp8" if fp8_products else ""
     fp32 = q.dtype == torch.float32
     bm, bn, warps, stages = _config("dkdv" + suffix, bdmax, fp32=fp32)
-    _bwd_dkdv_kernel[(_cdiv(mk, bn), hkv, batch)](
+    _bwd_dkdv_kernel[(cdiv(mk, bn), hkv, batch)](
         q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *masks, *fp8,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q,
-        dense_k, hq // hkv,
+        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane,
+        dense_q, dense_k, hq // hkv,
         scale, scale * LOG2E, float(softcap), left, right,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     bm, bn, warps, stages = _config("dq" + suffix, bdmax, fp32=fp32)
-    _bwd_dq_kernel[(_cdiv(mq, bm), hq, batch)](
+    _bwd_dq_kernel[(cdiv(mq, bm), hq, batch)](
         q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *masks, *fp8_k,
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
         *_strides4(dq, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q, dense_k,
