@@ -1,10 +1,12 @@
-"""Tiny random-weight models of the six supported families, for tests (no download needed).
+"""Tiny random-weight models of every supported family, for tests (no download needed).
 
     from tests.models import FAMILIES, tiny_config, tiny_model
     model = tiny_model("llama", attn_implementation="fastpath")
 
 Every config: 2 layers, hidden 64, 4 query heads (head dim 16), vocab 128, 64 positions. Families:
-`llama` (GQA 4/2), `falcon` (rotary + multi-query), `falcon_gqa` (new_decoder_architecture, 2 KV heads),
+`llama` (GQA 4/2), `mistral` (GQA, sliding window 8), `qwen2` (GQA, q/k/v biases), `qwen3` (GQA, q/k norms),
+`gemma2` (GQA, soft-capped scores and logits, alternating sliding-window 8 and full layers), `falcon` (rotary +
+multi-query), `falcon_gqa` (new_decoder_architecture, 2 KV heads),
 `falcon_alibi` (ALiBi, parallel attention), `gpt2` (Conv1D, scale_attn_by_inverse_layer_idx), `gpt_neox` (partial
 rotary), `gptj` (partial rotary), `gpt_bigcode` (multi-query). `overrides` are config keyword arguments, e.g.
 `tiny_config("llama", hidden_size=256, intermediate_size=512)` for group-size-128 quantization tests
@@ -20,7 +22,7 @@ import torch
 import transformers
 
 # Base families (one per modeling file), then the extra Falcon variants.
-BASE_FAMILIES = ("llama", "falcon", "gpt2", "gpt_neox", "gptj", "gpt_bigcode")
+BASE_FAMILIES = ("llama", "falcon", "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "mistral", "qwen2", "qwen3", "gemma2")
 FAMILIES = BASE_FAMILIES + ("falcon_gqa", "falcon_alibi")
 
 VOCAB = 128
@@ -69,6 +71,27 @@ _CONFIGS = {
     "gpt_bigcode": (
         "GPTBigCodeConfig",
         dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, n_positions=POSITIONS, multi_query=True),
+    ),
+    "mistral": (  # a sliding window shorter than the test sequences
+        "MistralConfig",
+        dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=2,
+             num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS, sliding_window=8),
+    ),
+    "qwen2": (  # biases on q/k/v
+        "Qwen2Config",
+        dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=2,
+             num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS),
+    ),
+    "qwen3": (  # RMS-normed q/k
+        "Qwen3Config",
+        dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=2,
+             head_dim=HIDDEN // HEADS, num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS),
+    ),
+    "gemma2": (  # soft-capped scores and logits; layers alternate sliding-window (8) and full attention
+        "Gemma2Config",
+        dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=2,
+             head_dim=HIDDEN // HEADS, num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS, sliding_window=8,
+             attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=HIDDEN // HEADS),
     ),
 }
 

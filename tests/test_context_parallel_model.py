@@ -108,14 +108,14 @@ def _llama_worker(rank, world_size):
 
 
 def _families_worker(rank, world_size):
-    """GPT-2 (absolute positions, layer-scaled attention), GPT-NeoX / GPT-J (partial rotary), GPT-BigCode (MQA):
-    CP=2 logits and loss equal the one-process ones."""
+    """GPT-2 (absolute positions, layer-scaled attention), GPT-NeoX / GPT-J (partial rotary), GPT-BigCode (MQA),
+    Qwen2 (q/k/v biases), Qwen3 (q/k norms): CP=2 logits and loss equal the one-process ones."""
     from hf_fastpath.parallel import context_parallel
     from tests.models import VOCAB, tiny_model
 
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, VOCAB, (2, 11), generator=g)
-    for family in ("gpt2", "gpt_neox", "gptj", "gpt_bigcode"):
+    for family in ("gpt2", "gpt_neox", "gptj", "gpt_bigcode", "qwen2", "qwen3"):
         model = tiny_model(family, "eager", dtype=torch.float64)
         ref = model(input_ids=ids)
         ref_loss = F.cross_entropy(ref.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
@@ -152,6 +152,15 @@ def test_ring_attention_errors_without_context_and_on_padding():
     with pytest.raises(ValueError, match="padding"):
         shard_causal_lm_batch({"input_ids": torch.ones(1, 4, dtype=torch.long),
                                "attention_mask": torch.tensor([[0, 1, 1, 1]])})
+
+
+@pytest.mark.parametrize("family", ["falcon", "gemma2"])
+def test_models_without_ring_attention_are_refused_by_name(family):
+    from hf_fastpath.integrations.context_parallel import enable_context_parallel
+    from tests.models import tiny_model
+
+    with pytest.raises(NotImplementedError, match=f"{family}.*supported: .*llama"):
+        enable_context_parallel(tiny_model(family), None)
 
 
 def test_world_size_one_context_parallel_equals_plain_model(monkeypatch):

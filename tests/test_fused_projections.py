@@ -125,11 +125,14 @@ def concat_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("family,groups_per_layer,sizes", [("llama", 2, [3, 2]), ("gptj", 1, [3])])
+@pytest.mark.parametrize("family,groups_per_layer,sizes", [("llama", 2, [3, 2]), ("gptj", 1, [3]),
+                                                           ("qwen2", 2, [3, 2]), ("gemma2", 2, [3, 2])])
 def test_fused_model_matches_unfused(family, groups_per_layer, sizes, concat_calls):
     """Logits (padded batch) and greedy generation equal the unfused model's; each group ran as one launch; no
-    layer keeps a handed-over output after the forward."""
-    overrides = dict(intermediate_size=256) if family == "llama" else {}
+    layer keeps a handed-over output after the forward. (Qwen2: q/k/v biases.)"""
+    overrides = dict(intermediate_size=256) if family != "gptj" else {}
+    if family == "gemma2":  # its head dim is set, not derived: as wide as the others' at hidden 128
+        overrides.update(head_dim=32, query_pre_attn_scalar=32)
     model = _quantized(family, **overrides)
     plain = copy.deepcopy(model)
     assert hf_fastpath.fuse_projections(model) == 2 * groups_per_layer

@@ -193,7 +193,7 @@ def gptq_llama(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "mistral", "qwen2", "qwen3", "gemma2"])
 def test_all_linear_targets_the_4bit_layers(tmp_path, family):
     write_quantized_checkpoint(tiny_model(family), tmp_path, QuantSpec("gptq", group_size=32))
     model = AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -19,9 +19,9 @@ How: the model instance's `forward` is replaced by a method wrapping the origina
 still passes `num_items_in_batch` and keeps the dataset columns; a deep copy of the model stays patched and correct).
 With labels in training mode, the wrapper calls the original forward with `labels=None` while the head module's
 forward returns its input, so the "logits" it computes are the (sliced) last hidden states; the loss is computed
-from them. Every supported model's forward does `logits = head(hidden_states)` and then the loss, with nothing in
-between — that is what an entry in `CHUNKED_LOSS_MODELS` asserts (check a new model's forward before adding it: a
-model that post-processes its logits, e.g. Gemma-2's soft-capping, needs that step in the table too).
+from them. Every supported model's forward does `logits = head(hidden_states)`, at most soft-caps them (Gemma-2:
+the row's `final_logit_softcap`; we switch it off for the call and apply it in the loss), and then the loss — that
+is what a `causal_lm` in `models.MODELS` asserts (check a new model's forward before adding it).
 
 Limits (each raises or is documented): the head must be a plain `nn.Linear` (not wrapped by PEFT: no LoRA or
 `modules_to_save` on `lm_head`) and unsharded (FSDP's sharded parameters of the head are not gathered outside its
@@ -41,22 +41,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..losses import chunked_linear_cross_entropy
+from .models import MODELS, facts_for
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["use_chunked_loss", "CHUNKED_LOSS_MODELS"]
 
-# model_type -> the causal-LM class whose forward was checked (in Transformers 5.17 and 5.24) to compute
-# `logits = <output embeddings>(hidden_states)` and then `self.loss_function(logits, labels, ...)`, nothing else.
-# Other heads of the same model type (GPT2DoubleHeadsModel, ...) have their own losses and are refused.
-CHUNKED_LOSS_MODELS = {
-    "llama": "LlamaForCausalLM",
-    "falcon": "FalconForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-    "gpt_neox": "GPTNeoXForCausalLM",
-    "gptj": "GPTJForCausalLM",
-    "gpt_bigcode": "GPTBigCodeForCausalLM",
-}
+# model_type -> the causal-LM class whose forward was checked (Transformers 5.17 and 5.24) to compute
+# `logits = <output embeddings>(hidden_states)` and then `self.loss_function(logits, labels, ...)`, nothing else (but a
+# final soft-cap). Other heads of the same model type (GPT2DoubleHeadsModel, ...) have their own losses: refused.
+CHUNKED_LOSS_MODELS = {model_type: row.causal_lm for model_type, row in MODELS.items() if row.causal_lm}
 
 _MARK = "_hf_fastpath_chunked_loss"  # on the patched forward: the original (unbound) forward function
 _CHUNK_ROWS = "_hf_fastpath_chunk_rows"  # on the model
@@ -76,7 +70,7 @@ def _check_supported(model: nn.Module) -> None:
         raise ValueError(
             f"use_chunked_loss: model type {model_type!r} ({type(model).__name__}) is not supported; supported: "
             f"{', '.join(sorted(CHUNKED_LOSS_MODELS))}. Train it without use_chunked_loss (the plain Transformers "
-            "loss), or add the model to hf_fastpath.integrations.causal_lm_loss.CHUNKED_LOSS_MODELS after checking "
+            "loss), or give the model type a causal_lm in hf_fastpath.integrations.models.MODELS after checking "
             "that its forward applies the LM head and then self.loss_function with nothing in between.")
     expected = CHUNKED_LOSS_MODELS[model_type]
     if expected not in (cls.__name__ for cls in type(model).__mro__):
@@ -119,6 +113,22 @@ def _head_returns_its_input(head: nn.Module):
             head.forward = saved
 
 
+@contextlib.contextmanager
+def _no_final_softcap(model: nn.Module):
+    """For the duration, the model does not soft-cap its "logits" (here: the hidden states); yields the cap (None if
+    the model has none), which the loss then applies to the real logits."""
+    attr = facts_for(model).final_logit_softcap
+    cap = getattr(model.config, attr, None) if attr else None
+    if cap is None:
+        yield None
+        return
+    setattr(model.config, attr, None)
+    try:
+        yield float(cap)
+    finally:
+        setattr(model.config, attr, cap)
+
+
 def _without_logits(output, loss):
     if isinstance(output, tuple):  # return_dict=False: (logits, ...) since labels=None; Transformers drops None
         return (loss, *output[1:])
@@ -150,14 +160,14 @@ def _wrap_forward(original_func):
         ignore_index = extra.pop("ignore_index", -100)
         bound.arguments["labels"] = None
         head = _head(self)
-        with _head_returns_its_input(head):
+        with _head_returns_its_input(head), _no_final_softcap(self) as softcap:
             output = original_func(*bound.args, **bound.kwargs)
         hidden = output[0] if isinstance(output, tuple) else output.logits
         if shift_labels is None:  # as ForCausalLMLoss: tokens < n predict n; the last position has no target
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         loss = chunked_linear_cross_entropy(
             hidden, head.weight, shift_labels.to(hidden.device), head.bias, ignore_index=ignore_index,
-            num_items_in_batch=num_items_in_batch, chunk_rows=getattr(self, _CHUNK_ROWS, None))
+            num_items_in_batch=num_items_in_batch, softcap=softcap, chunk_rows=getattr(self, _CHUNK_ROWS, None))
         return _without_logits(output, loss)
 
     forward.__dict__[_MARK] = original_func

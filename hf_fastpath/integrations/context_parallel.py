@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.ring_attention import ring_attention
+from .models import MODELS, facts_for
 
 __all__ = [
     "ATTENTION_NAME",
@@ -142,11 +143,12 @@ def enable_context_parallel(model, group=None):
     """Make `model`'s attention ring over `group` (default: all ranks) until `disable_context_parallel(model)`."""
     register()
     inner = _unwrap(model)
-    if getattr(inner.config, "model_type", None) == "falcon":
+    if not facts_for(inner).ring_attention:
+        supported = ", ".join(sorted(t for t, row in MODELS.items() if row.ring_attention))
         raise NotImplementedError(
-            "Falcon picks its own attention classes and does not go through Transformers' AttentionInterface; "
-            "context parallelism supports Llama, GPT-2, GPT-NeoX, GPT-J and GPT-BigCode."
-        )
+            f"Context parallelism does not support model type {getattr(inner.config, 'model_type', None)!r} (its "
+            f"attention does not go through Transformers' AttentionInterface, or uses a sliding window); supported: "
+            f"{supported}.")
     if hasattr(inner, _SAVED_ATTR):
         raise RuntimeError("Context parallelism is already enabled on this model.")
     group = _as_group(group)

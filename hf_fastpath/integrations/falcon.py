@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from .models import MODELS
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["register_name", "falcon_alibi_slopes"]
@@ -153,12 +155,24 @@ def _allow_dynamic_switch(pretrained_cls, base_cls, classes: dict) -> None:
     pretrained_cls._fastpath_switch_patched = True
 
 
+# model_type -> (our attention class, the model's attention base class, its pretrained-model class)
+_CLASS_BUILDERS = {
+    "falcon": (_falcon_class, "FalconAttention", "FalconPreTrainedModel"),
+    "gptj": (_gptj_class, "GPTJAttention", "GPTJPreTrainedModel"),
+}
+
+
 def register_name(name: str) -> None:
-    """Map attention `name` to our classes in Falcon's (and, where it exists, GPT-J's) class table."""
-    mf = importlib.import_module("transformers.models.falcon.modeling_falcon")
-    mf.FALCON_ATTENTION_CLASSES[name] = _falcon_class()
-    _allow_dynamic_switch(mf.FalconPreTrainedModel, mf.FalconAttention, mf.FALCON_ATTENTION_CLASSES)
-    mj = importlib.import_module("transformers.models.gptj.modeling_gptj")
-    if hasattr(mj, "GPTJ_ATTENTION_CLASSES"):
-        mj.GPTJ_ATTENTION_CLASSES[name] = _gptj_class()
-        _allow_dynamic_switch(mj.GPTJPreTrainedModel, mj.GPTJAttention, mj.GPTJ_ATTENTION_CLASSES)
+    """Map attention `name` to our classes in the class tables of the models that pick attention by class
+    (`attention_class_table` in `models.MODELS`), where the installed Transformers has such a table."""
+    for model_type, row in MODELS.items():
+        if row.attention_class_table is None:
+            continue
+        module_name, table_name = row.attention_class_table
+        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        table = getattr(module, table_name, None)
+        if table is None:  # this Transformers calls the attention interface instead
+            continue
+        build, base, pretrained = _CLASS_BUILDERS[model_type]
+        table[name] = build()
+        _allow_dynamic_switch(getattr(module, pretrained), getattr(module, base), table)

@@ -30,15 +30,12 @@ import logging
 from torch import nn
 
 from ..quantization.linear import ConcatForward, W4A16Linear, fuse_siblings
+from .models import facts_for
 
 logger = logging.getLogger(__name__)
 
-# model_type -> (parent module attribute, the layers in it that read the parent's input)
-SHARED_INPUT_PROJECTIONS = {
-    "llama": (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))),
-    "gptj": (("attn", ("q_proj", "k_proj", "v_proj")),),
-}
-# (GPT-2, GPT-NeoX, GPT-BigCode and Falcon store q/k/v as one layer already and have no gate/up pair.)
+# (the groups per model type: `models.MODELS[...].shared_input_projections`; GPT-2, GPT-NeoX, GPT-BigCode and Falcon
+# store q/k/v as one layer already and have no gate/up pair)
 
 _GROUP_ATTR = "_hf_fastpath_shared_input"  # on a parent: its _SharedInputGroup
 
@@ -66,11 +63,10 @@ def _provide_outputs(module: nn.Module, args, kwargs):
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Let each group of W4A16 layers that share an input (SHARED_INPUT_PROJECTIONS, by `model.config.model_type`)
-    decode as one kernel launch. Returns the number of groups; 0 for other model types. Idempotent. The quantizer
-    calls it for every model it loads or quantizes."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    groups = SHARED_INPUT_PROJECTIONS.get(model_type, ())
+    """Let each group of W4A16 layers that share an input (`shared_input_projections` of the model's row in
+    `models.MODELS`) decode as one kernel launch. Returns the number of groups; 0 for other model types. Idempotent.
+    The quantizer calls it for every model it loads or quantizes."""
+    groups = facts_for(model).shared_input_projections
     fused = 0
     for name, module in model.named_modules():
         for parent_attr, names in groups:

@@ -37,22 +37,13 @@ from transformers.quantizers.base import HfQuantizer
 
 from ..quantization.config import QUANT_METHOD, W4A16Config
 from ..quantization.linear import ScaledActivation, W4A16Linear
+from .models import MODELS, facts_for
 
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "HF_FASTPATH_GPTQ_BACKEND"
 _ORIGINAL_QUANTIZERS: dict[str, type] = {}
 _OUR_BACKENDS = (None, "", "auto", "fastpath", "hf_fastpath")
-# AWQ models whose MLP activation is scaled before the down projection (checkpoint key `<mlp>.<act>.scales`)
-_AWQ_ACT_SCALES = {
-    "falcon": ("act", "dense_h_to_4h"),
-    "RefinedWebModel": ("act", "dense_h_to_4h"),
-    "gpt_neox": ("act", "dense_h_to_4h"),
-    "gptj": ("act", "fc_in"),
-    "gpt_bigcode": ("act", "c_fc"),
-    "starcoder2": ("act", "c_fc"),
-    "mpt": ("act", "up_proj"),
-}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,14 +192,15 @@ def _wrap_awq_activations(model: nn.Module, checkpoint_keys: set[str] | None) ->
                 if name is not None and not isinstance(modules[name], (W4A16Linear, ScaledActivation)):
                     targets.append(name)
     else:
-        mapping = _AWQ_ACT_SCALES.get(getattr(model.config, "model_type", ""))
+        mapping = facts_for(model).awq_activation
         if mapping:
             act_name, before = mapping
             targets = [f"{name}.{act_name}" if name else act_name for name, module in modules.items()
                        if hasattr(module, act_name) and hasattr(module, before)]
     for name in targets:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        before = next((getattr(parent, b) for _, b in _AWQ_ACT_SCALES.values() if hasattr(parent, b)), None)
+        before = next((getattr(parent, row.awq_activation[1]) for row in MODELS.values()
+                       if row.awq_activation and hasattr(parent, row.awq_activation[1])), None)
         features = getattr(before, "out_features", None)
         if features is None:
             raise ValueError(f"cannot size the AWQ activation scales of '{name}': no up projection next to it")

@@ -160,13 +160,20 @@ def _search_scales(inspect, records, outputs, x_mean, linears, names, settings: 
     return best[1], best[2]
 
 
+# Norms whose gain is (1 + weight) (Gemma's RMSNorm): a scale folds into 1 + weight, not into weight
+_GAIN_PLUS_ONE_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
 @torch.no_grad()
 def fold_scales(block: nn.Module, linears: dict[str, nn.Module], group: InputGroup, producer: str,
                 producer_kind: str, scales: torch.Tensor) -> None:
     """Multiply the group's input channels by `scales` in its linears and divide them out of the producer."""
     prod = block.get_submodule(producer)
     if producer_kind == "norm":
-        prod.weight.div_(scales.to(prod.weight.dtype))
+        if type(prod).__name__ in _GAIN_PLUS_ONE_NORMS:  # y = norm(x) * (1 + weight)
+            prod.weight.copy_(((1.0 + prod.weight.float()) / scales.to(prod.weight.device) - 1.0).to(prod.weight.dtype))
+        else:
+            prod.weight.div_(scales.to(prod.weight.dtype))
         if getattr(prod, "bias", None) is not None:
             prod.bias.div_(scales.to(prod.bias.dtype))
     elif producer_kind == "linear":
