@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_features,
-                     linear_weight, scale_partner, set_linear_weight, set_submodule)
+from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_weight, scale_partner, set_linear_weight, set_submodule)
 from .rtn import fake_quantize_grouped, pad_columns, resolve_group_size
 
 logger = logging.getLogger(__name__)
@@ -275,8 +274,3 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
             max_val = _search_clip(w, x, settings)
             set_linear_weight(linears[n], _apply_clip(w, max_val, settings.group_size))
     return report
-
-
-def check_features(linears: dict[str, nn.Module], group_size: int) -> None:
-    for name, m in linears.items():
-        resolve_group_size(group_size, linear_features(m)[0])

@@ -195,25 +195,6 @@ class W4A16Linear(nn.Module):
         return layer
 
     @classmethod
-    def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                  g_idx: torch.Tensor | None, bias: torch.Tensor | None = None, *, bits: int = 4,
-                  group_size: int = 128, checkpoint_format: str = "gptq",
-                  dtype: torch.dtype | None = None) -> W4A16Linear:
-        """Build from a GPTQ checkpoint's tensors (v1 "gptq" stores zero - 1, "gptq_v2" stores zero)."""
-        weight = F.gptq_unpack(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
-        return cls.from_quantized(*weight, bias=bias, bits=bits, group_size=group_size,
-                                  dtype=dtype or scales.dtype, checkpoint_format=checkpoint_format)
-
-    @classmethod
-    def from_awq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None, *, group_size: int = 128,
-                 dtype: torch.dtype | None = None) -> W4A16Linear:
-        """Build from an AWQ GEMM checkpoint's tensors (4 bits)."""
-        weight = F.awq_unpack(qweight, qzeros, scales, group_size)
-        return cls.from_quantized(*weight, bias=bias, bits=4, group_size=group_size,
-                                  dtype=dtype or scales.dtype, checkpoint_format="awq")
-
-    @classmethod
     def for_checkpoint(cls, in_features: int, out_features: int, *, bits: int, group_size: int, bias: bool,
                        checkpoint_format: str, dtype: torch.dtype, device=None,
                        scale_dtype: torch.dtype = torch.float16) -> W4A16Linear:
