@@ -219,7 +219,7 @@ SWEEP = {  # (kind, head_dim): candidate (BLOCK_M, BLOCK_N, num_warps, num_stage
     ("fwd", 256): [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
     # Backward: the session-1 choices spill (offline SASS, Triton 3.6: hd256 dK/dV (32, 64, 8, 2) 1.6 KB of stack,
     # dQ (64, 64, 8, 1) 760 B; hd128 dK/dV (64, 64, 4, 2) 208 B); the added candidates spill <= 16 B. Session 5 on the
-    # H200: (64, 32, 4, 2) won both hd-256 kernels (now the defaults; results/attention_hd256_s5.json).
+    # H200: (64, 32, 4, 2) won both hd-256 kernels (now the defaults; results/archive/attention_hd256_s5.json).
     ("dkdv", 128): [(64, 64, 4, 2), (64, 128, 8, 2), (64, 32, 4, 2)],
     ("dkdv", 256): [(32, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2), (64, 32, 8, 3)],
     ("dq", 128): [(128, 64, 8, 3), (64, 64, 4, 2)],

@@ -761,7 +761,7 @@ _FWD_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128:
 # 64-key tiles: 1.07-1.3x faster than 128 on the H200 at hd 128 (benchmarks/results/attention_dispatch.json).
 _FWD_DECODE_CONFIGS = {16: (16, 64, 4, 3), 32: (16, 64, 4, 3), 64: (16, 64, 4, 3), 128: (16, 64, 4, 3),
                        256: (16, 64, 4, 2)}
-# hd256 backward (session 5 sweep, H200, benchmarks/results/attention_hd256_s5.json): (64, 32, 4, 2) for both
+# hd256 backward (session 5 sweep, H200, benchmarks/results/archive/attention_hd256_s5.json): (64, 32, 4, 2) for both
 # kernels, 1.14x (dK/dV) and 1.27x (dQ) faster than the session-1 choices, which spilled 0.8-1.6 KB per thread.
 _DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
                  256: (64, 32, 4, 2)}

@@ -493,7 +493,7 @@ def hadamard_pm1(d: int, device, dtype=torch.float32) -> torch.Tensor:
 
 
 # (rows per tile, tiles per program) of quantize_e4m3_rows on the GPU, without and with the rotation. H200, 4 x 4096
-# tokens x 16 heads x hd 128 (results/lowbit_quantizer_chunks_s6.json): rotated 58.7 -> 42.7 µs (transposed V 67.0
+# tokens x 16 heads x hd 128 (results/archive/lowbit_quantizer_chunks_s6.json): rotated 58.7 -> 42.7 µs (transposed V 67.0
 # -> 58.5) with 8 tiles a program; unrotated, more tiles only cost (32.3 µs with 1, 37.1 with 8).
 QUANT_TILES = {False: (64, 1), True: (64, 8)}
 

@@ -36,7 +36,7 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     re-dequantizing its weights) wins up to 192 rows on an H200 (1.1-2.4x dequantize + cuBLAS, whose x @ W
     is slow at M = 128), loses from 256-384; with big tiles (up to 256 x 128, 8 warps) it stays <= 0.6x cuBLAS,
     because ptxas serializes wgmmas whose A operand comes from registers (a wait after each), so the unpack
-    never overlaps the MMA (session 9, benchmarks/results/w4a16_prefill_fused_s9.json).
+    never overlaps the MMA (session 9, benchmarks/results/archive/w4a16_prefill_fused_s9.json).
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
     counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
   * Layers that share their input (q/k/v, gate/up) run as one launch when stored back to back (SEGMENTED mode,
@@ -72,7 +72,7 @@ __all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_concat", "w4a16_ma
 logger = logging.getLogger(__name__)
 
 DECODE_MAX_M = 192  # forward: above this many rows dequantize + cuBLAS (H200: faster from M = 256 on 4096^2,
-# from 384 on every Llama-3 shape; benchmarks/results/w4a16_prefill_crossover_s4.json)
+# from 384 on every Llama-3 shape; benchmarks/results/archive/w4a16_prefill_crossover_s4.json)
 GRAD_DECODE_MAX_M = 16  # grad_input: the fused kernel only wins for very few rows (H200 sweep)
 _BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: the minimum tensor-core K)
 
@@ -741,11 +741,11 @@ def _decode_config(m: int, k: int, n: int, interpret: bool, tile_groups: bool, p
     # H200 sweeps (benchmarks/results/w4a16_sweep*.json). Up to 8 rows (session 3): a 1- or 8-row tile (Triton pads
     # the MMA; mma.sync, 128 registers instead of wgmma's 227 at 16 rows) with ~2 programs per SM was 1.15-1.45x
     # faster than the 16-row tile on Llama-3 8B/70B shapes (w4a16_sweep_s3*.json). With per-plane groups (g32) the
-    # 8-row tile with 2 warps was fastest at M = 1 (session 5, w4a16_sweep_g32.json).
+    # 8-row tile with 2 warps was fastest at M = 1 (session 5, archive/w4a16_sweep_g32.json).
     if small and not tile_groups:
         return dict(BLOCK_M=8, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
     if small and (n >= 12288 or (k >= 16384 and n >= 8192)):
-        # Large layers (session 8, w4a16_small_m_confirm_s8.json, weights streamed from HBM): a row tile as narrow
+        # Large layers (session 8, archive/w4a16_small_m_confirm_s8.json, weights streamed from HBM): a row tile as narrow
         # as M allows, 256 columns, 2 warps: 1.00-1.17x the configs below on 4096x14336, 8192x28672, 28672x8192 and
         # the 8B/70B gate/up pairs at M = 1-8; on narrower layers (q/k/v, 4096^2) it lost up to 13%.
         rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
@@ -755,7 +755,7 @@ def _decode_config(m: int, k: int, n: int, interpret: bool, tile_groups: bool, p
     if small:
         return dict(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=2, mode="factored")
     # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2). From 33 rows, 64-row tiles dotting the exact q - z
-    # operand, scaled after the dot: 10-25% faster than dequantizing in the loop (session 4, w4a16_sweep_s4.json).
+    # operand, scaled after the dot: 10-25% faster than dequantizing in the loop (session 4, archive/w4a16_sweep_s4.json).
     if m <= 32:
         return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=1,
                     mode="factored" if m <= 16 else "dequant")

@@ -11,7 +11,7 @@ A text source is one of:
   technical English with code);
 - `"mixed"` (the calibration default) = `"bible-calib+python-docs"`: sources joined by `+` give windows drawn in
   equal shares from each part. GPTQ fits the layer to the calibration activations; a single narrow domain (the
-  Bible alone) made it worse than round-to-nearest on other text, a mix of registers does not (see NOTES.md);
+  Bible alone) made it worse than round-to-nearest on other text, a mix of registers does not (see docs/calibration.md);
 - a Hugging Face `datasets` name, `"name"` or `"name:config"` (optionally `"name:config:split"`; text column `text`),
   if the `datasets` package is installed and the data is reachable.
 """
