@@ -70,6 +70,7 @@ def gpu_checks():
     """Small correctness checks on the GPU (the CI runs the same kernels only under the interpreter)."""
     from hf_fastpath.attention import lowbit
     from hf_fastpath.kernels import lowbit_attention as kla
+    from hf_fastpath.kernels import row_quant
 
     out = {}
     torch.manual_seed(0)
@@ -87,7 +88,7 @@ def gpu_checks():
                     q.transpose(1, 2).float(), kv[0].transpose(1, 2).float().repeat_interleave(2, 1),
                     kv[1].transpose(1, 2).float().repeat_interleave(2, 1), is_causal=causal).transpose(1, 2)
                 # quantizer on GPU equals the CPU reference bit for bit
-                y, s = kla.quantize_e4m3_rows(q, fmt)
+                y, s = row_quant.quantize_e4m3_rows(q, fmt)
                 y_ref, s_ref = lowbit.quantize_for_attention(q.reshape(-1, 4, 128).cpu(), fmt)
                 same = bool(torch.equal(y.view(torch.uint8).cpu(), y_ref.view(torch.uint8))
                             and torch.equal(s.cpu(), s_ref))
@@ -175,6 +176,7 @@ def prefill_cases(quick=False, only=None, time_it=True):
 
     from hf_fastpath.attention import lowbit
     from hf_fastpath.kernels import lowbit_attention as kla
+    from hf_fastpath.kernels import row_quant
 
     try:
         from hf_fastpath.kernels.flash_attention import flash_attention_forward
@@ -202,9 +204,9 @@ def prefill_cases(quick=False, only=None, time_it=True):
                 cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
                 pre = {}
                 for fmt in ("fp8", "mxfp4", "nvfp4"):
-                    q8, qs = kla.quantize_e4m3_rows(q, fmt)
-                    k8, ks = kla.quantize_e4m3_rows(k, fmt)
-                    v8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True)
+                    q8, qs = row_quant.quantize_e4m3_rows(q, fmt)
+                    k8, ks = row_quant.quantize_e4m3_rows(k, fmt)
+                    v8, vs = row_quant.quantize_e4m3_rows(v, fmt, transpose=True)
                     pre[fmt] = (q8, qs, k8, ks, v8, vs)
                 vt_bf16 = kla.transpose_v(v.reshape(-1, h, d))
 
@@ -300,6 +302,7 @@ def _run_variant(v, time_it=True):
     """One sweep variant; returns TFLOP/s (or an error string). Without time_it: one call (compiles)."""
     from hf_fastpath.kernels import flash_attention as fa
     from hf_fastpath.kernels import lowbit_attention as kla
+    from hf_fastpath.kernels import row_quant
 
     d, s = v["d"], 16384
     h, b = HEADS[d], 1
@@ -315,7 +318,7 @@ def _run_variant(v, time_it=True):
             lowp = v["kind"] != "bf16"
             kla.CONFIG_OVERRIDE[(d, lowp, False)] = tuple(v["cfg"])
             if lowp:
-                (q8, qs), (k8, ks), (vt8, vs) = (kla.quantize_e4m3_rows(x, "fp8", transpose=i == 2)
+                (q8, qs), (k8, ks), (vt8, vs) = (row_quant.quantize_e4m3_rows(x, "fp8", transpose=i == 2)
                                                  for i, x in enumerate((q, k, v_)))
                 if v["kind"] == "fp8_unit_scales":
                     qs = ks = vs = None
@@ -342,6 +345,7 @@ def e2e_breakdown(quick=False):
     """Where the time of `lowbit_attention` goes besides the kernel (hd 128, 16 heads, 16k tokens, seq 4k)."""
     from hf_fastpath.attention import lowbit
     from hf_fastpath.kernels import lowbit_attention as kla
+    from hf_fastpath.kernels import row_quant
 
     out = {}
     b, s, h, d = 4, 4096, 16, 128
@@ -349,12 +353,12 @@ def e2e_breakdown(quick=False):
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     hm = lowbit.hadamard(d, q.device, q.dtype)
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
-    pre = [kla.quantize_e4m3_rows(x, "fp8", transpose=i == 2) for i, x in enumerate((q, k, v))]
+    pre = [row_quant.quantize_e4m3_rows(x, "fp8", transpose=i == 2) for i, x in enumerate((q, k, v))]
     args = (pre[0][0], pre[0][1], pre[1][0], pre[1][1], pre[2][0], pre[2][1])
     for causal in (False, True):
         with torch.no_grad():
             parts = {"rotate_qkv_and_out": lambda: [x @ hm for x in (q, k, v, q)],
-                     "quantize_qkv": lambda: [kla.quantize_e4m3_rows(x, "fp8", transpose=i == 2)
+                     "quantize_qkv": lambda: [row_quant.quantize_e4m3_rows(x, "fp8", transpose=i == 2)
                                               for i, x in enumerate((q, k, v))],
                      "kernel": lambda: kla.lowbit_flash_forward(*args, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                                 max_seqlen_q=s, causal=causal),

@@ -8,6 +8,7 @@ import torch
 
 from hf_fastpath.attention import attention, lowbit, reference
 from hf_fastpath.kernels import lowbit_attention as kla
+from hf_fastpath.kernels import row_quant
 from hf_fastpath.kernels import lowbit_quant as lq
 from hf_fastpath.kernels.common import WARNED
 
@@ -173,10 +174,10 @@ def test_fused_quantizer_matches_torch_reference(fmt):
     x = x.transpose(1, 2).transpose(1, 2)  # [B, S, H, D] with non-trivial strides
     x[0, 3, 1] = 0.0  # a zero row
     ref8, refs = lowbit.quantize_for_attention(x.reshape(-1, 3, 64), fmt)
-    y, s = kla.quantize_e4m3_rows(x, fmt)
+    y, s = row_quant.quantize_e4m3_rows(x, fmt)
     assert torch.equal(s, refs)
     assert torch.equal(y.view(torch.uint8), ref8.view(torch.uint8))
-    yt, st = kla.quantize_e4m3_rows(x, fmt, transpose=True)
+    yt, st = row_quant.quantize_e4m3_rows(x, fmt, transpose=True)
     assert yt.shape == (3, 64, 80) and torch.equal(st, refs)
     assert torch.equal(yt.view(torch.uint8), kla.transpose_v(ref8).view(torch.uint8))
 
@@ -231,13 +232,13 @@ def test_fused_rotation_in_the_quantizer(fmt):
     x[..., 5] += 20.0  # an outlier channel
     h = lowbit.hadamard(64, "cpu", torch.float64)
     ref8, refs = lowbit.quantize_for_attention((x.double() @ h).float().reshape(-1, 3, 64), fmt)
-    y, s = kla.quantize_e4m3_rows(x, fmt, rotate=True)
+    y, s = row_quant.quantize_e4m3_rows(x, fmt, rotate=True)
     torch.testing.assert_close(s, refs, rtol=1e-5, atol=0)
     # fp32 sums in another order: a rare value next to a rounding boundary flips to the neighbouring code
     assert (y.view(torch.uint8) == ref8.view(torch.uint8)).float().mean() > 0.99
     torch.testing.assert_close(y.float() * s[..., None], ref8.float() * refs[..., None], rtol=0.13, atol=1e-6)
     with pytest.raises(ValueError, match="power-of-two"):
-        kla.quantize_e4m3_rows(torch.randn(1, 4, 2, 48), fmt, rotate=True)
+        row_quant.quantize_e4m3_rows(torch.randn(1, 4, 2, 48), fmt, rotate=True)
 
 
 def test_kernel_rotates_its_output_back():
@@ -247,9 +248,9 @@ def test_kernel_rotates_its_output_back():
     q, k, v = (torch.randn(37, 4, 64).to(torch.bfloat16) for _ in range(3))
     q[..., 7] += 12.0  # an outlier channel
     cu = torch.tensor([0, 37], dtype=torch.int32)
-    (q8, qs), (k8, ks), (vt8, vs) = (kla.quantize_e4m3_rows(q, "fp8", rotate=True),
-                                     kla.quantize_e4m3_rows(k, "fp8", rotate=True),
-                                     kla.quantize_e4m3_rows(v, "fp8", transpose=True, rotate=True))
+    (q8, qs), (k8, ks), (vt8, vs) = (row_quant.quantize_e4m3_rows(q, "fp8", rotate=True),
+                                     row_quant.quantize_e4m3_rows(k, "fp8", rotate=True),
+                                     row_quant.quantize_e4m3_rows(v, "fp8", transpose=True, rotate=True))
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=37, causal=True, out_dtype=torch.float32)
     back, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, rotate=True, **kw)
     rotated, lse_rotated = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, **kw)
@@ -259,8 +260,8 @@ def test_kernel_rotates_its_output_back():
     x48 = torch.randn(5, 4, 48)
     cu5 = torch.tensor([0, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="power-of-two"):
-        kla.lowbit_flash_forward(*kla.quantize_e4m3_rows(x48, "fp8"), *kla.quantize_e4m3_rows(x48, "fp8"),
-                                 *kla.quantize_e4m3_rows(x48, "fp8", transpose=True), rotate=True,
+        kla.lowbit_flash_forward(*row_quant.quantize_e4m3_rows(x48, "fp8"), *row_quant.quantize_e4m3_rows(x48, "fp8"),
+                                 *row_quant.quantize_e4m3_rows(x48, "fp8", transpose=True), rotate=True,
                                  cu_seqlens_q=cu5, cu_seqlens_k=cu5, max_seqlen_q=5)
 
 
@@ -268,8 +269,8 @@ def test_kernel_rotates_its_output_back():
 
 
 def _mx_inputs(q, k, v):
-    (qc, qb), (kc, kb) = (kla.quantize_e4m3_rows(x, "mxfp4_packed") for x in (q, k))
-    vt8, vs = kla.quantize_e4m3_rows(v, "mxfp4", transpose=True)
+    (qc, qb), (kc, kb) = (row_quant.quantize_e4m3_rows(x, "mxfp4_packed") for x in (q, k))
+    vt8, vs = row_quant.quantize_e4m3_rows(v, "mxfp4", transpose=True)
     return qc, qb, kc, kb, vt8, vs
 
 
@@ -278,14 +279,14 @@ def test_fused_quantizer_packs_mxfp4_like_the_reference(rotate):
     x = torch.randn(2, 40, 3, 64).mul(torch.logspace(-3, 3, 40)[None, :, None, None])
     x[0, 3, 1] = 0.0  # a zero row: smallest exponent, all codes 0
     x[1, 5, 2, :7] = -0.0  # negative zeros encode as code 0
-    codes, exps = kla.quantize_e4m3_rows(x, "mxfp4_packed", rotate=rotate)
+    codes, exps = row_quant.quantize_e4m3_rows(x, "mxfp4_packed", rotate=rotate)
     ref_in = (x.double() @ lowbit.hadamard(64, "cpu", torch.float64)).float() if rotate else x
     ref = lq.quantize_rows(ref_in.reshape(-1, 3, 64), "mxfp4")
     assert torch.equal(exps, ref.block_scale)
     # rotated: fp32 sums in another order can move a value across a rounding boundary
     assert (codes == ref.data).float().mean() >= (0.995 if rotate else 1.0)
     with pytest.raises(ValueError, match="power-of-two"):
-        kla.quantize_e4m3_rows(torch.randn(4, 2, 96), "mxfp4_packed")
+        row_quant.quantize_e4m3_rows(torch.randn(4, 2, 96), "mxfp4_packed")
 
 
 @pytest.mark.parametrize("causal,sq,sk,h,hkv,d", [(True, 70, 70, 2, 1, 64), (False, 33, 90, 2, 2, 32),
@@ -320,7 +321,7 @@ def test_native_fp4_keeps_blocks_far_below_the_row_maximum():
               softmax_scale=2e4)
     _, lse = kla.lowbit_flash_forward(*_mx_inputs(q, k, v), **kw)
     (q8, qs), (k8, ks), (vt8, vs) = (*(lowbit.quantize_for_attention(x, "mxfp4") for x in (q, k)),
-                                     kla.quantize_e4m3_rows(v, "mxfp4", transpose=True))
+                                     row_quant.quantize_e4m3_rows(v, "mxfp4", transpose=True))
     _, lse_containers = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, **kw)
     exact = [lq.dequantize_rows(lq.quantize_rows(x, "mxfp4")).double()[:, 0] for x in (q, k)]
     s = exact[0] @ exact[1].t() * 2e4

@@ -24,6 +24,7 @@ import torch
 
 from ..kernels import lowbit_attention as kla
 from ..kernels import lowbit_quant as lq
+from ..kernels import row_quant
 from ..kernels.common import warn_once
 from . import interface, ops
 
@@ -89,7 +90,7 @@ def _forward(q, k, v, fmt, p_fp4, kw, qk_fmt=None, rotate=False, native_fp4=Fals
     qk_fmt = qk_fmt or fmt
     varlen = kw["cu_seqlens_q"] is not None
     h = hadamard(q.shape[-1], q.device, q.dtype) if rotate else None
-    fused = rotate and interface.use_triton(q) and kla.can_fuse_rotation(q.shape[-1])
+    fused = rotate and interface.use_triton(q) and row_quant.can_fuse_rotation(q.shape[-1])
     if rotate and not fused:
         q, k, v = q @ h, k @ h, v @ h
     out, lse = _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, native_fp4)
@@ -107,9 +108,9 @@ def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, native_fp4=
             cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * sk
             max_q = sq
         qk_out = "mxfp4_packed" if native_fp4 else qk_fmt  # packed codes + E8M0 exponents for the block-scaled dot
-        q8, qs = kla.quantize_e4m3_rows(q, qk_out, rotate=fused)
-        k8, ks = kla.quantize_e4m3_rows(k, qk_out, rotate=fused)
-        vt8, vs = kla.quantize_e4m3_rows(v, fmt, transpose=True, rotate=fused)
+        q8, qs = row_quant.quantize_e4m3_rows(q, qk_out, rotate=fused)
+        k8, ks = row_quant.quantize_e4m3_rows(k, qk_out, rotate=fused)
+        vt8, vs = row_quant.quantize_e4m3_rows(v, fmt, transpose=True, rotate=fused)
         out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, cu_seqlens_q=cu_q,
                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],
                                             softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, out_dtype=q.dtype,

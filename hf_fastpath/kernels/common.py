@@ -12,9 +12,14 @@ __all__ = ["interpreting", "cdiv", "next_pow2", "warn_once", "WARNED"]
 WARNED: set[str] = set()  # keys of the one-time warnings given so far (tests may discard keys to see them again)
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does when it decorates a kernel
+
+
 def interpreting() -> bool:
-    """Whether Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1), read per call: tests toggle it."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1 when they were decorated; an
+    environment lookup per call showed in the decode step's host time). Backend *choice* reads the variable per call
+    (`attention.backends`), so tests can pretend a plain CPU machine."""
+    return _INTERPRET
 
 
 def cdiv(a: int, b: int) -> int:

@@ -24,7 +24,8 @@ import triton.language as tl
 from .common import cdiv, interpreting, next_pow2
 from .device import compute_major, num_sms
 from .launch import LaunchCache
-from .lowbit_attention import _to_e4m3, quantize_e4m3_rows
+from .row_quant import _to_e4m3, quantize_e4m3_rows
+from .split_kv import merge_splits
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "segment_table"]
 
@@ -339,40 +340,13 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, SEQUSED_K, KEY_MASK,
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    # with SPLIT, O/LSE are the fp32 partial buffers [split, B, H, Sq, (Dv)] and get merged by _combine_kernel
+    # with SPLIT, O/LSE are the fp32 partial buffers [split, B, H, Sq, (Dv)], merged by split_kv.merge_splits
     tok = start_q.to(tl.int64) + offs_m
     o_rows = split.to(tl.int64) * stride_osplit + b64 * stride_ob + tok * stride_os + head * stride_oh
     tl.store(O + o_rows[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
     l_rows = split.to(tl.int64) * stride_lsplit + b64 * stride_lb + head * stride_lh + tok * stride_ls
     tl.store(LSE + l_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def _combine_kernel(O_PART, L_PART, O, LSE, num_splits, num_heads, seqlen_q,
-                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
-    """Merge split-KV partials of one query row r = (b * H + h) * Sq + i, in fp32; empty rows -> 0, -inf."""
-    r = tl.program_id(0)
-    rows = tl.num_programs(0)
-    i = r % seqlen_q
-    h = (r // seqlen_q) % num_heads
-    b = r // (seqlen_q * num_heads)
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, BLOCK_DV)
-    lse_s = tl.load(L_PART + offs_s.to(tl.int64) * rows + r, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_use)
-    total = tl.sum(w, 0)
-    o_s = tl.load(O_PART + (offs_s.to(tl.int64)[:, None] * rows + r) * D_V + offs_d[None, :],
-                  mask=(offs_s[:, None] < num_splits) & (offs_d[None, :] < D_V), other=0.0)
-    out = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    lse = tl.where(total == 0.0, float("-inf"), m_use + tl.log(tl.where(total == 0.0, 1.0, total)))
-    b64 = b.to(tl.int64)
-    tl.store(O + b64 * stride_ob + i * stride_os + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
-             mask=offs_d < D_V)
-    tl.store(LSE + b64 * stride_lb + h * stride_lh + i * stride_ls, lse)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -942,7 +916,6 @@ def _seqused_arg(seqused_k, batch, device):
 
 
 _FWD_LAUNCH = LaunchCache(_fwd_kernel)
-_COMBINE_LAUNCH = LaunchCache(_combine_kernel)
 
 
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -1019,11 +992,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         _FWD_LAUNCH.launch(grid, (q, k, v, *head, *tail), dict(USE_TMA=False, **meta),
                            tuple(meta.values()))
     if splits > 1:
-        rows = batch * hq * mq
-        _COMBINE_LAUNCH.launch((rows,), (o_dst, l_dst, out, lse, splits, hq, mq, *_strides4(out, False),
-                                         *_lse_strides(lse, False)),
-                               dict(D_V=d_v, BLOCK_DV=bdv, BLOCK_SPLITS=max(2, next_pow2(splits)), num_warps=4),
-                               (d_v, bdv, next_pow2(splits)))
+        merge_splits(o_dst, l_dst, out, lse, num_splits=splits, part_strides=(o_dst.stride(0), o_dst.stride(3)),
+                     lse_part_strides=(l_dst.stride(0), 1), lse_log2=False)
     return out, lse
 
 

@@ -25,7 +25,8 @@ import triton.language as tl
 from . import lowbit_quant as lq
 from .device import num_sms
 from .launch import LaunchCache
-from .lowbit_attention import _cdiv, _next_pow2, interpreting
+from .split_kv import merge_splits
+from .common import cdiv, interpreting, next_pow2
 
 __all__ = ["lowbit_decode", "FMT_CODES"]
 
@@ -307,25 +308,6 @@ def _decode_fp4_kernel(Q, KD, KR, KB, VD, VR, VB, O_PART, L_PART, kv_len, S_CAP,
     tl.store(L_PART + row, lse2, mask=g_ok)
 
 
-@triton.jit
-def _combine_kernel(O_PART, L_PART, O, LSE, NUM_SPLITS, D: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    row = tl.program_id(0)  # b * HQ + hq
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D)
-    s_ok = offs_s < NUM_SPLITS
-    lse2 = tl.load(L_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse2, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse2 - m_safe)
-    tot = tl.sum(w, 0)
-    o = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
-    tl.store(O + row * D + offs_d, out.to(O.dtype.element_ty))
-    lse = tl.where(tot > 0, (m_safe + tl.math.log2(tl.where(tot > 0, tot, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
-    tl.store(LSE + row, lse)
-
-
 # Launch settings; benchmarks/lowbit_attention.py --sweep times candidates on the H200. `waves`: programs per SM
 # wanted from the key splits (decode is memory bound: enough loads in flight hide the latency).
 # FP4 caches: `fp4_kernel` "rows" (block scales on the MMA rows, `_decode_fp4_kernel`) or "tile" (every value
@@ -341,7 +323,6 @@ DECODE_CONFIG_OVERRIDE: dict = {}  # fmt -> dict with any of the keys above
 
 _FP4_LAUNCH = LaunchCache(_decode_fp4_kernel)
 _SPLIT_LAUNCH = LaunchCache(_decode_split_kernel)
-_COMBINE_LAUNCH = LaunchCache(_combine_kernel)
 
 
 def _settings(fmt: str) -> dict:
@@ -350,10 +331,10 @@ def _settings(fmt: str) -> dict:
 
 def _num_splits(programs: int, kv_len: int, block_n: int, device, cfg=DECODE_CONFIG) -> int:
     if interpreting() or device.type != "cuda":
-        return max(1, min(4, _cdiv(kv_len, block_n)))
+        return max(1, min(4, cdiv(kv_len, block_n)))
     sms = num_sms(device)
     want = max(1, int(cfg["waves"] * sms) // max(programs, 1))
-    return max(1, min(want, _cdiv(kv_len, cfg["min_tokens_per_split"]), 256))
+    return max(1, min(want, cdiv(kv_len, cfg["min_tokens_per_split"]), 256))
 
 
 def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_splits=None, block_n=None,
@@ -376,13 +357,13 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
     code = FMT_CODES[fmt]
     block = {"mxfp4": 32, "nvfp4": 16}.get(fmt, 32)
     g = hq // hkv
-    g_pad = max(16, _next_pow2(g))
+    g_pad = max(16, next_pow2(g))
     cfg = _settings(fmt)
     if block_n is None:
         block_n = 32 if interpreting() else (cfg["block_n"] or (64 if d > 128 else 128))
     splits = num_splits or _num_splits(b * hkv, kv_len, block_n, q.device, cfg)
-    per_split = _cdiv(_cdiv(max(kv_len, 1), splits), block_n) * block_n
-    splits = max(1, _cdiv(max(kv_len, 1), per_split))
+    per_split = cdiv(cdiv(max(kv_len, 1), splits), block_n) * block_n
+    splits = max(1, cdiv(max(kv_len, 1), per_split))
     o_part = torch.empty(b * hq * splits, d, dtype=torch.float32, device=q.device)
     l_part = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -399,7 +380,7 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
     stages = 1 if interpreting() else cfg["num_stages"]
     if rows_kernel:
         nb = d // block
-        meta = dict(common, G_PAD=max(_next_pow2(g), _cdiv(16, nb)), UNPACK=cfg["unpack"], RECODED=recoded,
+        meta = dict(common, G_PAD=max(next_pow2(g), cdiv(16, nb)), UNPACK=cfg["unpack"], RECODED=recoded,
                     num_warps=cfg["num_warps"], num_stages=stages)
         _FP4_LAUNCH.launch((b * hkv, splits), args, meta, tuple(meta.values()))
     else:
@@ -407,7 +388,6 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
         _SPLIT_LAUNCH.launch((b * hkv, splits), args, meta, tuple(meta.values()))
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    splits_pad = max(2, _next_pow2(splits))
-    _COMBINE_LAUNCH.launch((b * hq,), (o_part, l_part, out, lse, splits), dict(D=d, SPLITS_PAD=splits_pad, num_warps=4),
-                           (d, splits_pad))
+    merge_splits(o_part, l_part, out.view(b, 1, hq, d), lse.view(b, hq, 1), num_splits=splits,
+                 part_strides=(d, splits * d), lse_part_strides=(1, splits), lse_log2=True)
     return out, lse
