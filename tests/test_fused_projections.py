@@ -13,12 +13,11 @@ import transformers
 from models import random_batch, tiny_model
 
 import hf_fastpath
-from hf_fastpath.integrations import fused_projections
 from hf_fastpath.integrations.transformers_quantizer import attach_quantization_config
 from hf_fastpath.kernels import w4a16 as K
 from hf_fastpath.kernels.common import WARNED
 from hf_fastpath.quantization import W4A16Config, W4A16Linear, w4a16_backend
-from hf_fastpath.quantization import linear as qlinear
+from hf_fastpath.quantization import fusion
 from hf_fastpath.quantization.calibrate import quantize_model
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -182,7 +181,7 @@ def test_layer_called_with_another_input_computes_itself():
     mlp = model.model.layers[0].mlp
     x = torch.randn(1, 3, 128).to(F16)
     with w4a16_backend("kernel"), torch.no_grad():
-        fused_parts = qlinear.ConcatForward()([mlp.gate_proj, mlp.up_proj], x)
+        fused_parts = fusion.ConcatForward()([mlp.gate_proj, mlp.up_proj], x)
         mlp.gate_proj._handoff[0] = (x, fused_parts[0] + 1)  # a wrong output for x ...
         other = x.clone()
         torch.testing.assert_close(mlp.gate_proj(other), fused_parts[0], rtol=0, atol=0)  # ... not used for a clone
@@ -198,7 +197,7 @@ def test_moved_tensors_are_stored_back_to_back_again(concat_calls):
     model.to(BF16)
     plain = copy.deepcopy(model)
     for m in plain.modules():
-        if hasattr(m, fused_projections._GROUP_ATTR):
+        if hasattr(m, fusion._GROUP_ATTR):
             m._forward_pre_hooks.clear()
     attn = model.model.layers[0].self_attn
     assert not K.w4a16_back_to_back([(p.qweight, p.scales, p.zeros) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
@@ -236,7 +235,7 @@ def test_input_on_another_device_is_left_to_the_layers(concat_calls):
     hf_fastpath.fuse_projections(model)
     attn = model.model.layers[0].self_attn
     layers = [attn.q_proj, attn.k_proj, attn.v_proj]
-    group = getattr(attn, fused_projections._GROUP_ATTR)
+    group = getattr(attn, fusion._GROUP_ATTR)
     with w4a16_backend("kernel"), torch.no_grad():
         assert group.compute(layers, torch.zeros(1, 2, 128, dtype=F16, device="meta")) is None
         assert group.compute(layers, torch.zeros(1, 2, 128, dtype=F16)) is not None
@@ -254,7 +253,7 @@ def test_quantizer_fuses_what_it_loads(tmp_path, monkeypatch, concat_calls):
     for flag in ("1", "0"):
         monkeypatch.setenv("HF_FASTPATH_FUSE_PROJECTIONS", flag)
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=F16, attn_implementation="eager")
-        fused = [hasattr(m, fused_projections._GROUP_ATTR) for m in loaded.modules()]
+        fused = [hasattr(m, fusion._GROUP_ATTR) for m in loaded.modules()]
         assert sum(fused) == (4 if flag == "1" else 0)
         with w4a16_backend("kernel"), torch.no_grad():
             logits.append(loaded(ids).logits)
@@ -290,6 +289,6 @@ def test_unsupported_groups_are_left_alone():
     model = tiny_model("llama", dtype=F16, intermediate_size=128)
     quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
     assert hf_fastpath.fuse_projections(model) == 2  # gate/up (128 wide) only
-    assert not hasattr(model.model.layers[0].self_attn, fused_projections._GROUP_ATTR)
+    assert not hasattr(model.model.layers[0].self_attn, fusion._GROUP_ATTR)
     gpt2 = _quantized("gpt2")
     assert hf_fastpath.fuse_projections(gpt2) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fastpath.kernels.w4a16 import w4a16_pack, w4a16_unpack
+from hf_fastpath.kernels.w4a16_layout import w4a16_pack, w4a16_unpack
 from hf_fastpath.quantization import W4A16Linear, w4a16_backend
 from hf_fastpath.quantization import formats as F
 from tests.checkpoints import AWQ_ORDER, ref_pack_awq, ref_pack_stream

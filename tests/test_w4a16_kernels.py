@@ -8,13 +8,11 @@ from hf_fastpath.kernels.w4a16 import (
     _decode_grad_input,
     _decode_matmul,
     _split_workspace,
-    k_tile_order,
     w4a16_dequantize,
     w4a16_matmul,
     w4a16_matmul_grad_input,
-    w4a16_pack,
-    w4a16_unpack,
 )
+from hf_fastpath.kernels.w4a16_layout import k_tile_order, w4a16_pack, w4a16_unpack
 
 # Max error relative to the largest reference entry. The output is rounded to 16 bits once (fp16 2**-11,
 # bf16 2**-8) and the dequantized weight once; the interpreter rounds bf16 more coarsely than a GPU does.
@@ -116,7 +114,7 @@ def test_packing_matches_the_documented_layout():
 
 
 def test_packing_in_chunks_of_k_tiles(monkeypatch):
-    import hf_fastpath.kernels.w4a16 as kernels
+    import hf_fastpath.kernels.w4a16_layout as kernels
 
     monkeypatch.setattr(kernels, "_PACK_CHUNK_CODES", 128 * 6)  # one K tile per chunk at N = 6
     codes = torch.randint(0, 16, (456, 6), generator=torch.Generator().manual_seed(4), dtype=torch.int32)

@@ -36,7 +36,8 @@ from transformers.quantizers import auto as quantizer_auto
 from transformers.quantizers.base import HfQuantizer
 
 from ..quantization.config import QUANT_METHOD, W4A16Config
-from ..quantization.linear import ScaledActivation, W4A16Linear
+from ..quantization.awq import ScaledActivation
+from ..quantization.linear import W4A16Linear
 from .models import MODELS, facts_for
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """W4A16 weight-only quantization: checkpoint formats, the `W4A16Linear` layer, `W4A16Config`, calibration."""
 
-from .linear import ScaledActivation, W4A16Linear, w4a16_backend
+from .awq import ScaledActivation
+from .linear import W4A16Linear, w4a16_backend
 
 __all__ = ["W4A16Linear", "ScaledActivation", "w4a16_backend", "W4A16Config"]
 

@@ -181,8 +181,6 @@ def fold_scales(block: nn.Module, linears: dict[str, nn.Module], group: InputGro
         if getattr(prod, "bias", None) is not None:
             prod.bias.div_(scales.to(prod.bias.dtype))
     elif producer_kind == "activation":
-        from .linear import ScaledActivation
-
         if isinstance(prod, ScaledActivation):
             prod.scales.mul_(scales.to(prod.scales.dtype))
         else:
@@ -274,3 +272,15 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
             max_val = _search_clip(w, x, settings)
             set_linear_weight(linears[n], _apply_clip(w, max_val, settings.group_size))
     return report
+
+
+class ScaledActivation(nn.Module):
+    """AWQ's activation scaling before a down projection: act(x) / scales (checkpoint key `...mlp.act.scales`)."""
+
+    def __init__(self, act: nn.Module, features: int, dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        self.act = act
+        self.register_buffer("scales", torch.ones(features, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x) / self.scales.to(x.dtype)

@@ -15,9 +15,9 @@ Checkpoint formats (what other tools read and write):
 - AWQ GEMM (4 bits only): `qweight` int32 [K, N/8], nibble j of word c holds column 8c + [0,2,4,6,1,3,5,7][j];
   `qzeros` int32 [G, N/8] with the same interleave (no offset); `scales` fp16 [G, N]; no g_idx (groups contiguous).
 
-Kernel layout (see the W4A16 contract): rows sorted by group so that row k is in group k // group_size,
-`qweight` packed GPTQ-style along K at `bits` bits (exactly the GPTQ tensor when bits == 4 and g_idx is trivial),
-float `scales` / `zeros` [G, N] in the activation dtype, and `perm` [K] (or None) such that
+Kernel layout: rows sorted by group so that row k is in group k // group_size, 4-bit `qweight` in the K-tiled,
+tile-major order of `kernels.w4a16_layout` (other widths packed GPTQ-style along K: no kernel reads those; they
+dequantize), float `scales` / `zeros` [G, N] in the activation dtype, and `perm` [K] (or None) such that
 y = x[:, perm] @ W_sorted.
 """
 
@@ -318,9 +318,9 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
 
 def pack_kernel_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes [K, N] (group-sorted row order) -> the module's qweight: 4-bit codes in the kernels' K-tiled layout
-    (`hf_fastpath.kernels.w4a16.w4a16_pack`), other widths packed GPTQ-style (no kernel reads those)."""
+    (`hf_fastpath.kernels.w4a16_layout.w4a16_pack`), other widths packed GPTQ-style (no kernel reads those)."""
     if bits == 4:
-        from ..kernels.w4a16 import w4a16_pack
+        from ..kernels.w4a16_layout import w4a16_pack
 
         return w4a16_pack(codes)
     return pack_rows(codes, bits)
@@ -329,7 +329,7 @@ def pack_kernel_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_kernel_rows(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """Inverse of `pack_kernel_rows`."""
     if bits == 4:
-        from ..kernels.w4a16 import w4a16_unpack
+        from ..kernels.w4a16_layout import w4a16_unpack
 
         return w4a16_unpack(qweight)
     return unpack_rows(qweight, bits, in_features)

@@ -1,7 +1,8 @@
 """`W4A16Linear`: a frozen low-bit weight-only linear layer (GPTQ / AWQ weights, fp16/bf16 activations).
 
 Buffers (the W4A16 kernel contract; K = in_features, N = out_features, G = ceil(K / group_size)):
-    qweight int32 [K*bits/32, N]  codes packed along K (GPTQ order), rows sorted by group (row k in group k // gs)
+    qweight int32 [K*bits/32, N]  codes packed along K, rows sorted by group (row k in group k // gs); 4 bits in the
+                                  K-tiled tile-major order of `kernels.w4a16_layout`, other widths GPTQ-style
     scales  [G, N]                in the compute dtype (follows `model.to(dtype)`)
     zeros   [G, N]                zero points as floats, same dtype as scales
     perm    int64 [K] or None     act-order checkpoints: y = x[..., perm] @ W_sorted
@@ -30,13 +31,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import weakref
 
 import torch
 from torch import nn
 
-from . import formats as F
+from ..kernels import w4a16_ops
 from ..kernels.common import warn_once
+from . import formats as F
 
 logger = logging.getLogger(__name__)
 
@@ -72,62 +73,6 @@ def _kernels():
             return None
         _kernel_module = w4a16
     return _kernel_module
-
-
-# The kernels as torch ops with autograd (dx = dy @ W^T; the quantized weight gets no gradient). Under torch.compile
-# the graph holds one opaque node per layer (dynamo cannot trace the launch code) and CUDA graphs capture the
-# launches ("reduce-overhead", static-cache decoding). Inference calls skip the op: its dispatch costs more host
-# time per call than the launch itself.
-@torch.library.custom_op("hf_fastpath::w4a16_matmul", mutates_args=())
-def _w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     group_size: int) -> torch.Tensor:
-    # a fresh split-K workspace: under "reduce-overhead" every allocation belongs to a CUDA-graph pool, and a
-    # cached workspace allocated there (even in the eager warm-up run) would outlive the pool's bookkeeping
-    return _kernels().w4a16_matmul(x, qweight, scales, zeros, group_size, cache_workspace=False)
-
-
-@_w4a16_matmul_op.register_fake
-def _(x, qweight, scales, zeros, group_size):
-    return x.new_empty(x.shape[0], qweight.shape[1])
-
-
-@torch.library.custom_op("hf_fastpath::w4a16_matmul_grad_input", mutates_args=())
-def _w4a16_grad_input_op(dy: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                         group_size: int) -> torch.Tensor:
-    return _kernels().w4a16_matmul_grad_input(dy, qweight, scales, zeros, group_size)
-
-
-@_w4a16_grad_input_op.register_fake
-def _(dy, qweight, scales, zeros, group_size):
-    return dy.new_empty(dy.shape[0], qweight.shape[0] * 8)
-
-
-@torch.library.custom_op("hf_fastpath::w4a16_matmul_concat", mutates_args=())
-def _w4a16_concat_op(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[torch.Tensor],
-                     zeros: list[torch.Tensor], group_size: int) -> torch.Tensor:
-    return _kernels().w4a16_matmul_concat(x, list(zip(qweights, scales, zeros)), group_size, cache_workspace=False)
-
-
-@_w4a16_concat_op.register_fake
-def _(x, qweights, scales, zeros, group_size):
-    return x.new_empty(x.shape[0], sum(q.shape[1] for q in qweights))
-
-
-def _op_setup_context(ctx, inputs, output):
-    _, qweight, scales, zeros, group_size = inputs
-    ctx.save_for_backward(qweight, scales, zeros)
-    ctx.group_size = group_size
-
-
-def _op_backward(ctx, dy):
-    qweight, scales, zeros = ctx.saved_tensors
-    dx = None
-    if ctx.needs_input_grad[0]:
-        dx = _w4a16_grad_input_op(dy.contiguous(), qweight, scales, zeros, ctx.group_size)
-    return dx, None, None, None, None
-
-
-_w4a16_matmul_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 class W4A16Linear(nn.Module):
@@ -357,7 +302,7 @@ class W4A16Linear(nn.Module):
                 scales, zeros = scales.to(x2.dtype), zeros.to(x2.dtype)
             args = (x2.contiguous(), buffers["qweight"], scales, zeros, self._effective_group_size)
             if torch.compiler.is_compiling() or (x2.requires_grad and torch.is_grad_enabled()):
-                y = _w4a16_matmul_op(*args)
+                y = w4a16_ops.w4a16_matmul_op(*args)
             else:  # eager inference: the weights were checked at load, and the op's dispatch costs host time
                 y = _kernels().w4a16_matmul_rows(*args)
         else:
@@ -428,99 +373,6 @@ class W4A16Linear(nn.Module):
                 f"format={self.checkpoint_format}")
 
 
-# -------------------------------------------------------------------------------------------------------- siblings
-# Layers that share their input (attention q/k/v, MLP gate/up) can decode as one kernel launch when their tensors lie
-# back to back in memory: `fuse_siblings` re-stores them so (each layer keeps its own buffers, now views into one
-# allocation per tensor kind, so state_dict, saving and PEFT see nothing new); `ConcatForward` computes them.
-
-
-def fuse_siblings(layers) -> bool:
-    """Re-store 2-3 loaded 4-bit `W4A16Linear` layers with the same input back to back in memory. Returns False and
-    changes nothing where one launch cannot serve them (other bits or sizes, act-order, meta tensors, widths that
-    are not multiples of the kernels' column blocks)."""
-    kernels = _kernels()
-    first = layers[0] if layers else None
-    if kernels is None or not 2 <= len(layers) <= 3 or not all(isinstance(m, W4A16Linear) for m in layers):
-        return False
-    for m in layers:
-        if (m._staging is not None or m.bits != 4 or m.perm is not None or m.qweight.is_meta
-                or m.in_features != first.in_features or m._effective_group_size != first._effective_group_size
-                or m.scales.dtype != first.scales.dtype or m.qweight.device != first.qweight.device
-                or m.in_features % m._effective_group_size != 0
-                or m.out_features % kernels.w4a16_segment_columns() != 0):
-            return False
-    if kernels.w4a16_back_to_back([(m.qweight, m.scales, m.zeros) for m in layers]):
-        return True
-    for name in ("qweight", "scales", "zeros"):
-        flat = torch.cat([m._buffers[name].reshape(-1) for m in layers])
-        start = 0
-        for m in layers:
-            old = m._buffers[name]
-            m._buffers[name] = flat[start:start + old.numel()].view(old.shape)
-            start += old.numel()
-    if not kernels.w4a16_back_to_back([(m.qweight, m.scales, m.zeros) for m in layers]):
-        raise RuntimeError("fuse_siblings: the re-stored layers are not back to back (a bug)")
-    return True
-
-
-class ConcatForward:
-    """Computes 2-3 sibling layers (`fuse_siblings`) for one input in one kernel launch: `group(layers, x)` returns
-    their outputs (views into one [..., sum N] tensor), or None where that does not apply (each layer then runs
-    on its own): more than CONCAT_MAX_M rows, autograd, no kernel route, scales of another dtype, or layers that
-    can no longer be stored back to back (after `model.to(...)` re-allocated their buffers one by one, the first
-    call stores them back to back again). Eager decoding calls it once per group and token, so it remembers (by
-    weak reference) the buffers it last found back to back instead of re-checking their addresses every call."""
-
-    def __init__(self):
-        self._checked: tuple = ()  # weak references to the 3 buffers of each layer, last found back to back
-
-    def __call__(self, layers, x: torch.Tensor):
-        kernels = _kernels()
-        first = layers[0]
-        if x.requires_grad and torch.is_grad_enabled():
-            return None
-        x2 = x.reshape(-1, x.shape[-1])
-        if not 0 < x2.shape[0] <= kernels.CONCAT_MAX_M or x2.shape[1] != first.in_features \
-                or not first._use_kernel(x2):
-            return None
-        parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
-        # (an input not yet on the weights' device, e.g. before a device-map hook inside a layer moves it: the layers
-        # take it one by one)
-        if parts[0][1].dtype != x2.dtype or parts[0][0].device != x2.device:
-            return None
-        if torch.compiler.is_compiling():
-            y = _w4a16_concat_op(x2.contiguous(), *map(list, zip(*parts)), first._effective_group_size)
-        else:
-            parts = self._back_to_back(layers, parts)
-            if parts is None:
-                return None
-            y = kernels.w4a16_matmul_concat_rows(x2.contiguous(), parts, first._effective_group_size)
-        outs = y.view(*x.shape[:-1], y.shape[1]).split([m.out_features for m in layers], dim=-1)
-        return [out if m._parameters["bias"] is None else out + m._parameters["bias"].to(out.dtype)
-                for m, out in zip(layers, outs)]
-
-    def _back_to_back(self, layers, parts):
-        """parts, or the parts re-stored back to back (after `model.to(...)`), or None where that is refused."""
-        flat = [t for part in parts for t in part]
-        if len(flat) == len(self._checked) and all(ref() is t for ref, t in zip(self._checked, flat)):
-            return parts
-        if not _kernels().w4a16_back_to_back(parts):
-            # model.to(...) re-allocated the tensors one by one: store them back to back again (a one-time copy
-            # of this group; normal tensors even inside inference_mode, as when the model was loaded).
-            with torch.inference_mode(False):
-                refused = not fuse_siblings(layers)
-            if refused:
-                _warn_once("siblings-refused", "W4A16 layers fused for one launch can no longer be stored back to "
-                           "back (different devices or formats since): each runs on its own")
-                self._checked = ()
-                return None
-            logger.debug("W4A16 layers re-stored back to back after their tensors moved")
-            parts = [(m._buffers["qweight"], m._buffers["scales"], m._buffers["zeros"]) for m in layers]
-            flat = [t for part in parts for t in part]
-        self._checked = tuple(weakref.ref(t) for t in flat)
-        return parts
-
-
 def _check_int_weight(weight: F.IntWeight, in_features: int, out_features: int, bits: int, group_size: int) -> None:
     groups = F.num_groups(in_features, group_size)
     expected = {"codes": (in_features, out_features), "scales": (groups, out_features),
@@ -571,15 +423,3 @@ def _load_checkpoint_state_dict(module: W4A16Linear, state_dict, prefix, local_m
         state_dict[prefix + "perm"] = kernel.perm
     else:
         module.perm = None
-
-
-class ScaledActivation(nn.Module):
-    """AWQ's activation scaling before a down projection: act(x) / scales (checkpoint key `...mlp.act.scales`)."""
-
-    def __init__(self, act: nn.Module, features: int, dtype: torch.dtype = torch.float16, device=None):
-        super().__init__()
-        self.act = act
-        self.register_buffer("scales", torch.ones(features, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(x) / self.scales.to(x.dtype)

@@ -21,7 +21,8 @@ import logging
 import torch
 from torch import nn
 
-from .linear import ScaledActivation, W4A16Linear
+from .awq import ScaledActivation
+from .linear import W4A16Linear
 
 logger = logging.getLogger(__name__)
 
