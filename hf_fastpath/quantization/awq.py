@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_weight, scale_partner, set_linear_weight, set_submodule)
-from .rtn import fake_quantize_grouped, pad_columns, resolve_group_size
+from .formats import resolve_group_size
+from .rtn import fake_quantize_grouped, pad_columns
 
 logger = logging.getLogger(__name__)
 

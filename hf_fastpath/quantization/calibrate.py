@@ -13,82 +13,48 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .blocks import (BlockInputs, StopForward, capture_block_inputs, find_decoder_layers, find_linears,
                      input_groups, linear_weight, run_block, set_linear_weight, set_submodule)
+from .config import W4A16Config
+from .formats import resolve_group_size
 from .gptq import GPTQ
-from .rtn import QuantizedWeight, check_bits, resolve_group_size, rtn_quantize
+from .rtn import QuantizedWeight, rtn_quantize
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("gptq", "awq", "rtn")
-DEFAULTS = {"gptq": (128, 2048), "awq": (128, 512), "rtn": (0, 0)}  # (num_samples, seq_len)
+DEFAULTS = {"gptq": (128, 2048), "awq": (128, 512), "rtn": (0, 0)}  # (num_samples, seq_len) when not configured
 
 
-@dataclass
-class Settings:
-    method: str
-    bits: int
-    group_size: int
-    sym: bool
-    desc_act: bool
-    static_groups: bool
-    true_sequential: bool
-    damp_percent: float
+def as_config(config) -> W4A16Config:
+    """The `W4A16Config` to calibrate with (a dict of its arguments is accepted: CLI and tests)."""
+    return config if isinstance(config, W4A16Config) else W4A16Config(**dict(config))
+
+
+class _Calibration(NamedTuple):
+    """What one calibration run derives from the config and the model."""
+
     num_samples: int
     seq_len: int
-    dataset: object
-    skip: tuple
-    checkpoint_format: str
     batch_size: int
-    awq_duo_scaling: bool
-    awq_search_tokens: int | None
+    skip: tuple
 
 
-def _get(config, name, default):
-    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
-    return default if value is None else value
-
-
-def settings_from_config(config, model=None) -> Settings:
-    method = str(_get(config, "method", "gptq")).lower()
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; choose one of {METHODS}")
-    bits = int(_get(config, "bits", 4))
-    check_bits(bits)
-    default_n, default_len = DEFAULTS[method]
-    seq_len = int(_get(config, "seq_len", default_len))
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None) or \
-        getattr(getattr(model, "config", None), "n_positions", None)
+def _calibration_plan(config: W4A16Config, model) -> _Calibration:
+    default_n, default_len = DEFAULTS[config.method]
+    seq_len = int(config.seq_len or default_len)
+    model_config = getattr(model, "config", None)
+    max_pos = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     if max_pos and seq_len > max_pos:
         logger.info("seq_len %d > the model's %d positions: using %d", seq_len, max_pos, max_pos)
         seq_len = max_pos
-    # AWQ's scale folding needs a zero point (asymmetric); GPTQ and RTN default to symmetric.
-    sym = bool(_get(config, "sym", method != "awq"))
-    desc_act = bool(_get(config, "desc_act", False))
-    if method != "gptq" and desc_act:
-        raise ValueError("desc_act (act-order) is a GPTQ option; use method='gptq' or desc_act=False")
-    if method == "awq" and bits == 4:
-        fmt = "awq"  # AWQ GEMM storage (4-bit only)
-    else:
-        fmt = _get(config, "checkpoint_format", "gptq")
-        fmt = "gptq" if fmt in ("auto", "awq") else fmt
-    skip = tuple(_get(config, "modules_to_not_convert", ()) or ())
-    return Settings(
-        method=method, bits=bits, group_size=int(_get(config, "group_size", 128)), sym=sym, desc_act=desc_act,
-        static_groups=bool(_get(config, "static_groups", False)),
-        true_sequential=bool(_get(config, "true_sequential", True)),
-        damp_percent=float(_get(config, "damp_percent", 0.01)),
-        num_samples=int(_get(config, "num_samples", default_n)), seq_len=seq_len,
-        dataset=_get(config, "dataset", None), skip=skip, checkpoint_format=str(fmt),
-        batch_size=int(_get(config, "batch_size", 0)) or max(1, 8192 // max(seq_len, 1)),
-        awq_duo_scaling=bool(_get(config, "awq_duo_scaling", True)),
-        awq_search_tokens=_get(config, "awq_search_tokens", None),
-    )
+    return _Calibration(num_samples=int(config.num_samples or default_n), seq_len=seq_len,
+                        batch_size=int(config.batch_size or 0) or max(1, 8192 // max(seq_len, 1)),
+                        skip=tuple(config.modules_to_not_convert or ()))
 
 
 def _default_device(model: nn.Module, device):
@@ -117,30 +83,31 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
     with `tokenizer` (default: the model's own, from `config._name_or_path`). `calibration_ids` (LongTensor
     `[n, seq]`) bypasses text entirely.
     """
-    s = settings_from_config(config, model)
+    s = as_config(config)
+    plan = _calibration_plan(s, model)
     start = time.perf_counter()
     layers_name, layers = find_decoder_layers(model)
-    dev = _default_device(model, device if device is not None else _get(config, "device", None))
+    dev = _default_device(model, device if device is not None else getattr(s, "device", None))
     results: dict[str, QuantizedWeight] = {}
     biases: dict[str, torch.Tensor | None] = {}
 
     if s.method == "rtn":
         for i, layer in enumerate(_tqdm(layers, desc="RTN", unit="block")):
-            for name, m in find_linears(layer, s.skip).items():
+            for name, m in find_linears(layer, plan.skip).items():
                 full = f"{layers_name}.{i}.{name}"
                 results[full] = rtn_quantize(linear_weight(m).to(dev), s.bits, s.group_size, s.sym)
                 biases[full] = m.bias
     else:
-        ids = calibration_ids if calibration_ids is not None else _calibration_ids(model, s, tokenizer)
+        ids = calibration_ids if calibration_ids is not None else _calibration_ids(model, s, plan, tokenizer)
         logger.info("%s: %d-bit g%d %s calibration on %d x %d tokens, device %s", s.method.upper(), s.bits,
                     s.group_size, "sym" if s.sym else "asym", ids.shape[0], ids.shape[1], dev)
         was_training = model.training
         model.eval()
-        inputs = capture_block_inputs(model, layers[0], ids, s.batch_size, dev)
+        inputs = capture_block_inputs(model, layers[0], ids, plan.batch_size, dev)
         for i, layer in enumerate(_tqdm(layers, desc=s.method.upper(), unit="block")):
             home = next(layer.parameters()).device
             layer.to(dev)
-            linears = find_linears(layer, s.skip)
+            linears = find_linears(layer, plan.skip)
             for name, m in linears.items():
                 resolve_group_size(s.group_size, linear_weight(m).shape[1])  # fail early with a clear message
             if s.method == "gptq":
@@ -172,14 +139,14 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
     return model
 
 
-def _calibration_ids(model, s: Settings, tokenizer) -> torch.Tensor:
+def _calibration_ids(model, s: W4A16Config, plan: _Calibration, tokenizer) -> torch.Tensor:
     from .data import calibration_windows
 
     data = s.dataset
     is_ids = isinstance(data, torch.Tensor) or (isinstance(data, (list, tuple)) and data
                                                  and not isinstance(data[0], str))
     if is_ids:
-        return calibration_windows(None, data, s.num_samples, s.seq_len)
+        return calibration_windows(None, data, plan.num_samples, plan.seq_len)
     if tokenizer is None:
         tokenizer = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
         if not tokenizer:
@@ -188,10 +155,10 @@ def _calibration_ids(model, s: Settings, tokenizer) -> torch.Tensor:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    return calibration_windows(tokenizer, data, s.num_samples, s.seq_len)
+    return calibration_windows(tokenizer, data, plan.num_samples, plan.seq_len)
 
 
-def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Module], s: Settings):
+def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Module], s: W4A16Config):
     """GPTQ every linear of one block; their weights are replaced by the dequantized result as it goes."""
     groups = input_groups(layer, linears, inputs.hidden[0], inputs.kwargs[0])
     stages = [[g] for g in groups] if s.true_sequential else [groups]
@@ -241,7 +208,7 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
     return results
 
 
-def _replace_linears(model: nn.Module, results: dict[str, QuantizedWeight], biases, s: Settings) -> None:
+def _replace_linears(model: nn.Module, results: dict[str, QuantizedWeight], biases, s: W4A16Config) -> None:
     from .linear import W4A16Linear
 
     model_dtype = next(model.parameters()).dtype
@@ -254,7 +221,7 @@ def _replace_linears(model: nn.Module, results: dict[str, QuantizedWeight], bias
             q.codes.to(home), q.scales.to(home), q.zeros.to(home), q.g_idx.to(home),
             bias=None if bias is None else bias.detach().to(home), bits=q.bits, group_size=q.group_size,
             dtype=model_dtype if model_dtype.is_floating_point else compute_dtype,
-            checkpoint_format=s.checkpoint_format,
+            checkpoint_format=s.saved_format,
         )
         new.train(old.training)
         set_submodule(model, full, new)

@@ -33,6 +33,10 @@ class W4A16Config(QuantizationConfigMixin):
             point of 0: if asymmetric quantization produces one, the model is saved as "gptq_v2" (with a warning).
         true_sequential, static_groups, damp_percent: GPTQ options.
         tokenizer: tokenizer (or its path) for the calibration text; default: the model's own path.
+        batch_size: calibration sequences per forward (default: ~8192 tokens a batch).
+        awq_duo_scaling, awq_search_tokens: AWQ options (scales from activations and weights; tokens per search).
+    AWQ at other than 4 bits is stored GPTQ-style (AWQ GEMM checkpoints hold 4-bit weights only).
+    This is the one settings object: calibration (`quantization.calibrate.quantize_model`) reads it directly.
     """
 
     def __init__(
@@ -51,6 +55,9 @@ class W4A16Config(QuantizationConfigMixin):
         static_groups: bool = False,
         damp_percent: float = 0.01,
         tokenizer: Any = None,
+        batch_size: int | None = None,
+        awq_duo_scaling: bool = True,
+        awq_search_tokens: int | None = None,
         **kwargs,
     ):
         self.quant_method = QUANT_METHOD
@@ -68,6 +75,9 @@ class W4A16Config(QuantizationConfigMixin):
         self.static_groups = static_groups
         self.damp_percent = damp_percent
         self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.awq_duo_scaling = awq_duo_scaling
+        self.awq_search_tokens = awq_search_tokens
         for key, value in kwargs.items():  # keep unknown keys (forward compatibility of saved configs)
             setattr(self, key, value)
         self.post_init()
@@ -77,9 +87,7 @@ class W4A16Config(QuantizationConfigMixin):
             raise ValueError(f"W4A16Config(method={self.method!r}): choose one of {METHODS}")
         if self.bits not in (2, 3, 4, 8):
             raise ValueError(f"W4A16Config(bits={self.bits}): choose 2, 3, 4 or 8 (4 runs on the Triton kernels)")
-        if self.method == "awq" and self.bits != 4:
-            raise ValueError("AWQ checkpoints store 4-bit weights only: use bits=4 with method='awq'")
-        if self.group_size != -1 and self.group_size <= 0:
+        if self.group_size is None or (self.group_size != -1 and self.group_size <= 0):
             raise ValueError(f"W4A16Config(group_size={self.group_size}): use a positive size or -1")
         if self.checkpoint_format not in ("gptq", "gptq_v2"):
             raise ValueError(f"W4A16Config(checkpoint_format={self.checkpoint_format!r}): use 'gptq' or 'gptq_v2'")
@@ -90,8 +98,8 @@ class W4A16Config(QuantizationConfigMixin):
 
     @property
     def saved_format(self) -> str:
-        """The format `W4A16Linear` layers write: "awq" for AWQ, else the GPTQ checkpoint_format."""
-        return "awq" if self.method == "awq" else self.checkpoint_format
+        """The format `W4A16Linear` layers write: "awq" for 4-bit AWQ, else the GPTQ checkpoint_format."""
+        return "awq" if self.method == "awq" and self.bits == 4 else self.checkpoint_format
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -103,7 +111,7 @@ class W4A16Config(QuantizationConfigMixin):
         """The plain Transformers `GPTQConfig` / `AwqConfig` a model quantized with this config is saved with."""
         from .. import __version__
 
-        if self.method == "awq":
+        if self.saved_format == "awq":
             # zero_point=True: qzeros are always stored (a symmetric grid just has zero 8 everywhere)
             return AwqConfig(bits=4, group_size=self.group_size, zero_point=True, version="gemm",
                              modules_to_not_convert=self.modules_to_not_convert)

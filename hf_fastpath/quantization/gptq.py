@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from .rtn import QuantizedWeight, check_bits, grid_params, quantize_codes, resolve_group_size
+from .formats import resolve_group_size
+from .rtn import QuantizedWeight, check_bits, grid_params, quantize_codes
 
 logger = logging.getLogger(__name__)
 

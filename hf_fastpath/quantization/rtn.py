@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .formats import resolve_group_size
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
@@ -38,18 +40,6 @@ class QuantizedWeight:
 def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
-
-
-def resolve_group_size(group_size: int, in_features: int) -> int:
-    """The effective group size: -1 (or anything >= in_features) means one group spanning all input features.
-
-    A size that does not divide in_features leaves a shorter last group (G = ceil(in / group_size)), as GPTQ does.
-    """
-    if group_size == -1 or group_size >= in_features:
-        return in_features
-    if group_size <= 0:
-        raise ValueError(f"group_size must be positive or -1, got {group_size}")
-    return group_size
 
 
 def pad_columns(w: torch.Tensor, multiple: int) -> torch.Tensor:
