@@ -3,6 +3,7 @@ workflows a user runs, both in one process on the same weights.
 
     python benchmarks/end_to_end.py [--layers 4] [--only train,packed,prefill,eager,compiled]  # GPU; JSON
     python benchmarks/end_to_end.py --plot benchmarks/results/end_to_end.json         # PNG (no GPU needed)
+    python benchmarks/end_to_end.py --readme benchmarks/results/end_to_end.json       # the README's table
 
 Model: Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP 14336, vocab 128256), `--layers` decoder
 layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
@@ -120,9 +121,12 @@ def main():
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--plot")
     ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt and stop")
+    ap.add_argument("--readme", metavar="RESULTS", help="print the README's table from this results JSON")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
+    if args.readme:
+        return print(readme_table(json.load(open(args.readme))["rows"]))
     import transformers
 
     import hf_fastpath  # noqa: F401
@@ -202,6 +206,31 @@ def main():
                 record("generate compiled", dtype, shape, "tokens/s",
                        lambda b=batch, p=prompt: generate_rows(model, b, p, compiled=True), 2)
     log("wrote", args.out)
+
+
+def readme_table(rows) -> str:
+    """The README's end-to-end table (markdown) from the result rows: `tests/test_readme_figures.py` checks that the
+    README carries exactly this."""
+    ratio = {(r["workflow"], r["dtype"], r["shape"]): r.get("ratio") for r in rows}
+
+    def one(workflow, dtype, shape):
+        value = ratio.get((workflow, dtype, shape))
+        return "—" if value is None else f"{value:.2f}×"
+
+    def span(workflow, dtype):
+        values = [v for (w, d, _), v in ratio.items() if w == workflow and d == dtype and v is not None]
+        return "—" if not values else f"{min(values):.2f}–{max(values):.2f}×"
+
+    lines = ["| workflow | bf16 | W4A16 |", "|---|---|---|"]
+    lines.append("| training step, 1 × 8192 tokens / 4 packed sequences of 2048 | "
+                 f"{one('train', 'bf16', '1x8192')} / {one('train packed', 'bf16', '4x2048 packed')} | — |")
+    lines.append("| prefill 1k / 8k / 32k | " + " | ".join(
+        " / ".join(one("prefill", d, f"1x{t}") for t in (1024, 8192, 32768)) for d in ("bf16", "w4a16")) + " |")
+    lines.append("| generate eager, batch 1 and 8, prompt 512 and 4096 | "
+                 f"{span('generate eager', 'bf16')} | {span('generate eager', 'w4a16')} |")
+    lines.append("| generate static + compile, batch 1 × 512 / 8 × 4096 | " + " | ".join(
+        " / ".join(one("generate compiled", d, s) for s in ("1x512", "8x4096")) for d in ("bf16", "w4a16")) + " |")
+    return "\n".join(lines)
 
 
 def plot(path):
