@@ -14,6 +14,7 @@ import torch
 
 from hf_fastpath.attention import attention, attention_forward, backends, reference
 from hf_fastpath.attention.backends import BackendUnavailable, describe_backends, select_backend
+from hf_fastpath.attention.params import AttentionParams
 from hf_fastpath.kernels.common import WARNED
 
 CALLS = []
@@ -180,11 +181,11 @@ def test_auto_order_fa3_fa4_fa2(install):
     kw = dict(causal=True, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               cu_seqlens_q=None, cu_seqlens_k=None)
     install("fa2", "fa3", "fa4")
-    assert select_backend("auto", q, k, v, kw).name == "fa3"
+    assert select_backend("auto", q, k, v, AttentionParams(**kw)).name == "fa3"
     install("fa2", "fa4", capability=(10, 0))  # FA3 is Hopper only
-    assert select_backend("auto", q, k, v, kw).name == "fa4"
+    assert select_backend("auto", q, k, v, AttentionParams(**kw)).name == "fa4"
     install("fa2", capability=(8, 0))
-    assert select_backend("auto", q, k, v, kw).name == "fa2"
+    assert select_backend("auto", q, k, v, AttentionParams(**kw)).name == "fa2"
 
 
 def test_auto_falls_back_to_triton_with_one_warning(install, caplog):
@@ -193,8 +194,8 @@ def test_auto_falls_back_to_triton_with_one_warning(install, caplog):
     kw = dict(causal=True, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=torch.rand(4),
               cu_seqlens_q=None, cu_seqlens_k=None)
     with caplog.at_level(logging.WARNING, logger="hf_fastpath.attention.backends"):
-        assert select_backend("auto", q, k, v, kw).name == "triton"
-        assert select_backend("auto", q, k, v, kw).name == "triton"
+        assert select_backend("auto", q, k, v, AttentionParams(**kw)).name == "triton"
+        assert select_backend("auto", q, k, v, AttentionParams(**kw)).name == "triton"
     msgs = [r.getMessage() for r in caplog.records if "ALiBi" in r.getMessage()]
     assert len(msgs) == 1 and "fa3" in msgs[0] and "Triton" in msgs[0]
 
@@ -230,10 +231,10 @@ def test_fa_not_used_for_float32_or_cpu(install):
     kw = dict(causal=False, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               cu_seqlens_q=None, cu_seqlens_k=None)
     install("fa2")
-    assert select_backend("auto", q, k, v, kw).name == "triton"
+    assert select_backend("auto", q, k, v, AttentionParams(**kw)).name == "triton"
     install("fa2", capability=None)  # tensors not on CUDA
     with pytest.raises(BackendUnavailable, match="CUDA"):
-        select_backend("fa2", q.bfloat16(), k.bfloat16(), v.bfloat16(), kw)
+        select_backend("fa2", q.bfloat16(), k.bfloat16(), v.bfloat16(), AttentionParams(**kw))
 
 
 def test_cpu_without_interpreter_uses_reference(install, monkeypatch):
@@ -242,9 +243,9 @@ def test_cpu_without_interpreter_uses_reference(install, monkeypatch):
     q, k, v = _qkv(dtype=torch.float32, grad=False)
     kw = dict(causal=True, softmax_scale=0.25, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               cu_seqlens_q=None, cu_seqlens_k=None)
-    assert select_backend("auto", q, k, v, kw).name == "reference"
+    assert select_backend("auto", q, k, v, AttentionParams(**kw)).name == "reference"
     with pytest.raises(BackendUnavailable, match="triton.*no CUDA device"):
-        select_backend("triton", q, k, v, kw)
+        select_backend("triton", q, k, v, AttentionParams(**kw))
 
 
 def test_float64_raw_halves_use_reference():

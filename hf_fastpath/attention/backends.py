@@ -2,10 +2,11 @@
 SDPA's cuDNN / FLASH kernels, whichever measured fastest for this kind of call (`dispatch.py`); the reference on
 the CPU.
 
-Each adapter maps our arguments (`reference.py` semantics, `[B, S, H, D]` or varlen `[T, H, D]`) onto its
-library's function and says which requests it cannot serve (e.g. FA3 has no ALiBi). Under "auto" an unsupported
-request falls back to the Triton kernel (with a one-time warning for an installed FlashAttention); a forced backend
-raises instead.
+A backend is one class: `name`; `missing()`, why it cannot run on this machine at all; `unsupported(request)`, why
+it cannot serve one call (`Request`: the features and shape of the call); `run(q, k, v, params, dropout_p,
+return_lse)`, the call itself, differentiable, `(out, lse or None)`, with the options in `params.AttentionParams`
+(`reference.py` semantics, `[B, S, H, D]` or varlen `[T, H, D]`). Under "auto" an unsupported request falls back to
+the Triton kernel (with a one-time warning for an installed FlashAttention); a forced backend raises instead.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import NamedTuple
 import torch
 
 from . import dispatch
+from .params import AttentionParams
 from ..kernels.common import warn_once
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "clear_choices", "describe_backends", "select_backend",
-           "run_backend"]
+__all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "clear_choices", "describe_backends", "select_backend"]
 
 BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "sdpa", "reference")
 
@@ -78,18 +79,15 @@ class Request(NamedTuple):
     kv_heads: int = 1
 
     @classmethod
-    def of(cls, q, k, v, kw, dropout_p=0.0, return_lse=False):
-        varlen = kw.get("cu_seqlens_q") is not None
-        if varlen:
-            batch = kw["cu_seqlens_q"].shape[0] - 1
-            q_len, kv_len = kw.get("max_seqlen_q") or q.shape[0], kw.get("max_seqlen_k") or k.shape[0]
+    def of(cls, q, k, v, params: AttentionParams, dropout_p=0.0, return_lse=False):
+        if params.varlen:
+            batch = params.cu_seqlens_q.shape[0] - 1
+            q_len, kv_len = params.max_seqlen_q or q.shape[0], params.max_seqlen_k or k.shape[0]
         else:
             batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
-        window = kw.get("window_size", (-1, -1))
-        return cls(q.dtype, q.shape[-1], v.shape[-1], varlen, window[0] != -1 or window[1] != -1,
-                   bool(kw.get("softcap")), kw.get("alibi_slopes") is not None, dropout_p > 0, cuda_capability(q),
-                   bool(kw.get("causal")), kw.get("key_mask") is not None or kw.get("segments") is not None,
-                   kw.get("seqused_k") is not None,
+        return cls(q.dtype, q.shape[-1], v.shape[-1], params.varlen, params.has_window, bool(params.softcap),
+                   params.alibi_slopes is not None, dropout_p > 0, cuda_capability(q), params.causal,
+                   params.key_mask is not None or params.segments is not None, params.seqused_k is not None,
                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), return_lse,
                    batch, q_len, kv_len, q.shape[-2], k.shape[-2])
 
@@ -165,16 +163,15 @@ class FA2Backend(_FlashBackend):
             return f"supports head dims up to 256, got {req.head_dim}"
         return None
 
-    def run(self, q, k, v, kw, dropout_p, return_lse):
+    def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
         fa = self.load()
-        common = dict(dropout_p=dropout_p, softmax_scale=kw["softmax_scale"], causal=kw["causal"],
-                      window_size=tuple(kw["window_size"]), softcap=float(kw["softcap"] or 0.0),
-                      alibi_slopes=None if kw["alibi_slopes"] is None else kw["alibi_slopes"].float(),
+        common = dict(dropout_p=dropout_p, softmax_scale=p.softmax_scale, causal=p.causal,
+                      window_size=tuple(p.window_size), softcap=p.softcap,
+                      alibi_slopes=None if p.alibi_slopes is None else p.alibi_slopes.float(),
                       deterministic=False, return_attn_probs=return_lse)
-        if kw["cu_seqlens_q"] is not None:
-            res = fa.flash_attn_varlen_func(q, k, v, kw["cu_seqlens_q"].to(torch.int32),
-                                            kw["cu_seqlens_k"].to(torch.int32), _max_len(kw, "q"), _max_len(kw, "k"),
-                                            **common)
+        if p.varlen:
+            res = fa.flash_attn_varlen_func(q, k, v, p.cu_seqlens_q.to(torch.int32), p.cu_seqlens_k.to(torch.int32),
+                                            _max_len(p, "q"), _max_len(p, "k"), **common)
         else:
             res = fa.flash_attn_func(q, k, v, **common)
         res = _as_tuple(res)
@@ -200,14 +197,14 @@ class FA3Backend(_FlashBackend):
             return "has no dropout"
         return None
 
-    def run(self, q, k, v, kw, dropout_p, return_lse):
+    def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
         fa = self.load()
-        common = dict(softmax_scale=kw["softmax_scale"], causal=kw["causal"], window_size=tuple(kw["window_size"]),
-                      softcap=float(kw["softcap"] or 0.0))
-        if kw["cu_seqlens_q"] is not None:
-            res = fa.flash_attn_varlen_func(q, k, v, kw["cu_seqlens_q"].to(torch.int32),
-                                            kw["cu_seqlens_k"].to(torch.int32), _max_len(kw, "q"), _max_len(kw, "k"),
-                                            return_attn_probs=return_lse, **common)
+        common = dict(softmax_scale=p.softmax_scale, causal=p.causal, window_size=tuple(p.window_size),
+                      softcap=p.softcap)
+        if p.varlen:
+            res = fa.flash_attn_varlen_func(q, k, v, p.cu_seqlens_q.to(torch.int32), p.cu_seqlens_k.to(torch.int32),
+                                            _max_len(p, "q"), _max_len(p, "k"), return_attn_probs=return_lse,
+                                            **common)
         else:
             res = fa.flash_attn_func(q, k, v, return_attn_probs=return_lse, **common)
         res = _as_tuple(res)  # older FA3 builds always return (out, lse)
@@ -235,27 +232,27 @@ class FA4Backend(_FlashBackend):
             return "has no softcap backward for varlen inputs"
         return None
 
-    def run(self, q, k, v, kw, dropout_p, return_lse):
+    def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
         fa = self.load()
-        left, right = kw["window_size"]
-        common = dict(softmax_scale=kw["softmax_scale"], causal=kw["causal"],
+        left, right = p.window_size
+        common = dict(softmax_scale=p.softmax_scale, causal=p.causal,
                       window_size=(None if left < 0 else left, None if right < 0 else right),
-                      softcap=float(kw["softcap"] or 0.0), return_lse=return_lse)
-        if kw["cu_seqlens_q"] is not None:
-            res = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=kw["cu_seqlens_q"].to(torch.int32),
-                                            cu_seqlens_k=kw["cu_seqlens_k"].to(torch.int32),
-                                            max_seqlen_q=_max_len(kw, "q"), max_seqlen_k=_max_len(kw, "k"), **common)
+                      softcap=p.softcap, return_lse=return_lse)
+        if p.varlen:
+            res = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=p.cu_seqlens_q.to(torch.int32),
+                                            cu_seqlens_k=p.cu_seqlens_k.to(torch.int32),
+                                            max_seqlen_q=_max_len(p, "q"), max_seqlen_k=_max_len(p, "k"), **common)
         else:
             res = fa.flash_attn_func(q, k, v, **common)
         res = _as_tuple(res)
         return res[0], (res[1] if return_lse and len(res) > 1 else None)
 
 
-def _max_len(kw, which):
-    given = kw.get(f"max_seqlen_{which}")
+def _max_len(p: AttentionParams, which):
+    given = getattr(p, f"max_seqlen_{which}")
     if given is not None:
         return int(given)
-    cu = kw[f"cu_seqlens_{which}"]
+    cu = getattr(p, f"cu_seqlens_{which}")
     return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
 
 
@@ -292,6 +289,11 @@ class TritonBackend:
             return "has no dropout"
         return None
 
+    def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
+        from .ops import flash_attn
+
+        return flash_attn(q, k, v, p)
+
 
 class SDPABackend:
     """torch's `scaled_dot_product_attention`, called as Transformers' "sdpa" calls it (torch picks cuDNN, FLASH or
@@ -315,9 +317,8 @@ class SDPABackend:
             query, key, value, is_causal=causal and query.shape[2] > 1, scale=scale,
             enable_gqa=query.shape[1] != key.shape[1])
 
-    def run(self, q, k, v, kw, dropout_p, return_lse):
-        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(kw["causal"]),
-                          kw["softmax_scale"])
+    def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p.causal, p.softmax_scale)
         return out.transpose(1, 2), None
 
 
@@ -330,6 +331,12 @@ class ReferenceBackend:
     def unsupported(self, req):
         return "has no dropout" if req.dropout else None
 
+    def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
+        from . import reference
+        from .interface import _Attention
+
+        return _Attention.apply(q, k, v, p, reference)
+
 
 _FLASH = {"fa3": FA3Backend(), "fa4": FA4Backend(), "fa2": FA2Backend()}
 _OWN = {"triton": TritonBackend(), "sdpa": SDPABackend(), "reference": ReferenceBackend()}
@@ -339,29 +346,29 @@ BACKENDS = {**_FLASH, **_OWN}
 _SELECTED: dict = {}  # "auto" choices by call signature (decoding asks once per layer and token)
 
 
-def _signature(q, k, v, kw, dropout_p, return_lse):
+def _signature(q, k, v, p: AttentionParams, dropout_p, return_lse):
     """What "auto"'s choice depends on, cheaply: the key length only by power of two (as `dispatch` looks it up)."""
-    window, sk = kw["window_size"], k.shape[-3]
+    sk = k.shape[-3]
     return (q.dtype, q.device, q.shape, k.shape[:-3], 1 << max(sk - 1, 0).bit_length(), q.shape[-3] == sk,
-            k.shape[-2], k.shape[-1], v.shape[-1], bool(kw["causal"]), window[0], window[1], bool(kw["softcap"]),
-            kw["alibi_slopes"] is None, kw["cu_seqlens_q"] is None, kw["max_seqlen_q"], kw["max_seqlen_k"],
-            kw["seqused_k"] is None, kw["key_mask"] is None, kw["segments"] is None, dropout_p > 0, return_lse,
+            k.shape[-2], k.shape[-1], v.shape[-1], p.causal, p.window_size, bool(p.softcap),
+            p.alibi_slopes is None, p.cu_seqlens_q is None, p.max_seqlen_q, p.max_seqlen_k, p.seqused_k is None,
+            p.key_mask is None, p.segments is None, dropout_p > 0, return_lse,
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
-def select_backend(name: str, q, k, v, kw, dropout_p: float = 0.0, return_lse: bool = False):
+def select_backend(name: str, q, k, v, params: AttentionParams, dropout_p: float = 0.0, return_lse: bool = False):
     """The backend object for this call. Forced names raise BackendUnavailable / NotImplementedError with the reason;
     "auto" walks FA3 > FA4 > FA2 > (Triton or SDPA, by `dispatch`) on CUDA, Triton under the interpreter, else the
     reference (remembered per call signature: `clear_choices()` after installing a package)."""
     # (not while compiling: Dynamo runs this once per graph anyway, and a cache filled inside a traced function
     # changes a global the graph's guards watch, so the next call would compile again)
-    if name == "auto" and "key_mask" in kw and not torch.compiler.is_compiling():
-        key = _signature(q, k, v, kw, dropout_p, return_lse)
+    if name == "auto" and not torch.compiler.is_compiling():
+        key = _signature(q, k, v, params, dropout_p, return_lse)
         chosen = _SELECTED.get(key)
         if chosen is None:
-            chosen = _SELECTED[key] = _select(name, q, k, v, kw, dropout_p, return_lse)
+            chosen = _SELECTED[key] = _select(name, q, k, v, params, dropout_p, return_lse)
         return chosen
-    return _select(name, q, k, v, kw, dropout_p, return_lse)
+    return _select(name, q, k, v, params, dropout_p, return_lse)
 
 
 def clear_choices() -> None:
@@ -370,10 +377,10 @@ def clear_choices() -> None:
     dispatch._CHOICES.clear()
 
 
-def _select(name, q, k, v, kw, dropout_p, return_lse):
+def _select(name, q, k, v, params, dropout_p, return_lse):
     if name not in BACKEND_NAMES:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}.")
-    req = Request.of(q, k, v, kw, dropout_p, return_lse)
+    req = Request.of(q, k, v, params, dropout_p, return_lse)
     if name != "auto":
         backend = BACKENDS[name]
         why = backend.missing() or backend.unsupported(req)
@@ -435,8 +442,3 @@ def describe_backends() -> list[dict]:
         else:
             rows.append(dict(name=name, available=False, reason=why))
     return rows
-
-
-def run_backend(backend, q, k, v, kw, dropout_p, return_lse):
-    """Differentiable `(out, lse or None)` through one FlashAttention backend (their own autograd)."""
-    return backend.run(q, k, v, kw, dropout_p, return_lse)

@@ -6,12 +6,12 @@ raw (non-autograd) halves that ring attention composes. Semantics are defined in
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
 from . import reference
+from .params import AttentionParams, make_params
 
 __all__ = ["attention", "attention_forward", "attention_backward", "use_triton"]
 
@@ -52,13 +52,13 @@ def attention_backward(dout, q, k, v, out, lse, **kw):
 
 
 class _Attention(torch.autograd.Function):
-    """Autograd over a module's raw halves (the reference; the Triton kernels go through `ops` instead)."""
+    """Autograd over a module's raw halves (the reference; the Triton kernels have their own, in `ops`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kw, module):
-        out, lse = module.attention_forward(q, k, v, **kw)
+    def forward(ctx, q, k, v, params, module):
+        out, lse = module.attention_forward(q, k, v, **params.kernel_kwargs())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kw = kw
+        ctx.params = params
         ctx.module = module
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -66,7 +66,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.module.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.kw)
+        dq, dk, dv = ctx.module.attention_backward(dout.contiguous(), q, k, v, out, lse, **ctx.params.kernel_kwargs())
         return dq, dk, dv, None, None
 
 
@@ -104,67 +104,50 @@ def attention(
     "triton", "sdpa", "fa2", "fa3", "fa4", "reference" (fails clearly when missing or unable to serve the call).
     `dropout_p > 0` needs FA2 (flash-attn); the other backends raise NotImplementedError.
     """
-    from .backends import run_backend, select_backend
+    from .backends import select_backend
 
-    kw = dict(
-        causal=causal,
-        softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        window_size=tuple(int(w) for w in window_size),
-        softcap=float(softcap or 0.0),
-        alibi_slopes=alibi_slopes,
-        seqused_k=seqused_k,
-        key_mask=key_mask,
-        segments=segments,
-    )
-    chosen = select_backend(backend, q, k, v, kw, dropout_p, return_lse)
-    if chosen.name == "triton":
-        from .ops import flash_attn
-
-        out, lse = flash_attn(q, k, v, **kw)
-    elif chosen.name == "reference":
-        out, lse = _Attention.apply(q, k, v, kw, reference)
-    elif seqused_k is not None or key_mask is not None or segments is not None:  # FlashAttention: varlen only
-        out, lse = _unpadded(lambda q, k, v, kw: run_backend(chosen, q, k, v, kw, dropout_p, return_lse), q, k, v, kw)
+    params = make_params(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
+                         key_mask=key_mask, segments=segments)
+    chosen = select_backend(backend, q, k, v, params, dropout_p, return_lse)
+    if params.masks_keys() and chosen.name not in ("triton", "reference"):  # FlashAttention: varlen only
+        out, lse = _unpadded(lambda q, k, v, p: chosen.run(q, k, v, p, dropout_p, return_lse), q, k, v, params)
     else:
-        out, lse = run_backend(chosen, q, k, v, kw, dropout_p, return_lse)
+        out, lse = chosen.run(q, k, v, params, dropout_p, return_lse)
     return (out, lse) if return_lse else out
 
 
-def _unpadded(run, q, k, v, kw):
+def _unpadded(run, q, k, v, params: AttentionParams):
     """Attention through a varlen-only backend (one host synchronisation). Packed `segments` become sequences.
     Keys left out by `key_mask` / `seqused_k` are dropped; with as many queries as keys (prefill) the queries are
     dropped likewise and get zeros, with fewer (decoding) all are kept and align causally to the last kept key, as
-    Transformers' FA2 path does."""
+    Transformers' FA2 path does. `run(q, k, v, varlen_params) -> (out, lse)`."""
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
-    if kw["segments"] is not None:
-        ids = kw["segments"][0].flatten().long() + torch.arange(b, device=q.device).repeat_interleave(sk) * (sk + 1)
+    if params.segments is not None:
+        ids = params.segments[0].flatten().long() + torch.arange(b, device=q.device).repeat_interleave(sk) * (sk + 1)
         starts = torch.nonzero(torch.diff(ids, prepend=ids[:1] - 1)).flatten().to(torch.int32)
         cu = torch.cat([starts, starts.new_full((1,), b * sk)])
         max_len = int(torch.diff(cu).max())
-        varlen = dict(kw, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
-                      segments=None)
-        out, _ = run(flat(q), flat(k), flat(v), varlen)
+        out, _ = run(flat(q), flat(k), flat(v), params._replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                                                max_seqlen_k=max_len, segments=None))
         return out.view(b, sq, *out.shape[1:]), None
-    keep = torch.ones(b, sk, dtype=torch.bool, device=q.device) if kw["key_mask"] is None else kw["key_mask"] > 0
-    if kw["seqused_k"] is not None:
-        keep = keep & (torch.arange(sk, device=q.device)[None, :] < kw["seqused_k"][:, None])
+    keep = torch.ones(b, sk, dtype=torch.bool, device=q.device) if params.key_mask is None else params.key_mask > 0
+    if params.seqused_k is not None:
+        keep = keep & (torch.arange(sk, device=q.device)[None, :] < params.seqused_k[:, None])
     lens_k = keep.sum(-1, dtype=torch.int32)
     idx_k = keep.flatten().nonzero().flatten()
     cu_k = torch.nn.functional.pad(torch.cumsum(lens_k, 0, dtype=torch.int32), (1, 0))
-    if sq == sk and kw["seqused_k"] is None:
+    if sq == sk and params.seqused_k is None:
         idx_q, cu_q, max_q = idx_k, cu_k, None
     else:
         idx_q = torch.arange(b * sq, device=q.device)
         cu_q, max_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq, sq
     max_k = int(lens_k.max())
     max_q = max_k if max_q is None else max_q
-    varlen = dict(kw, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=None,
-                  key_mask=None)
+    varlen = params._replace(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                             seqused_k=None, key_mask=None)
     out, _ = run(flat(q)[idx_q], flat(k)[idx_k], flat(v)[idx_k], varlen)
     full = out.new_zeros(b * sq, *out.shape[1:]).index_copy(0, idx_q, out)
     return full.view(b, sq, *out.shape[1:]), None

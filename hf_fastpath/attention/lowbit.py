@@ -27,6 +27,7 @@ from ..kernels import lowbit_quant as lq
 from ..kernels import row_quant
 from ..kernels.common import warn_once
 from . import interface, ops
+from .params import make_params
 
 Tensor = torch.Tensor
 
@@ -269,33 +270,24 @@ def lowbit_attention(q, k, v, *, fmt="fp8", p_format="auto", rotate=True, causal
         fmt = "fp8"
     if qk_format not in (None, "fp8") and d % lq.BLOCK[qk_format]:
         qk_format = "fp8"
-    if v.shape[-1] != d or k.shape[-1] != d:
+    if v.shape[-1] != d:
         raise ValueError(f"low-bit attention needs equal q/k/v head dims, got {d}, {k.shape[-1]}, {v.shape[-1]}")
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together.")
-    want = 3 if cu_seqlens_q is not None else 4
-    if q.dim() != want or k.dim() != want or v.dim() != want:
-        raise ValueError(f"expected {'[T, H, D] tensors with cu_seqlens' if want == 3 else '[B, S, H, D] tensors'}, "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[-2] % k.shape[-2]:
-        raise ValueError(f"query heads ({q.shape[-2]}) must be a multiple of key/value heads ({k.shape[-2]})")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    params = make_params(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         seqused_k=seqused_k, key_mask=key_mask, segments=segments)
     rotate = bool(rotate) and d >= 16 and d & (d - 1) == 0
     native_fp4 = _native_fp4_qk(fp4_mma, qk_format or fmt, q)
     p_fp4 = _resolve_p_fp4(p_format)
 
-    def run(q, k, v, kw):
-        return _lowbit_op(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], int(kw["max_seqlen_q"] or 0),
-                          int(kw["max_seqlen_k"] or 0), bool(causal), scale, fmt, p_fp4, qk_format or fmt, rotate,
-                          native_fp4, fp8_backward)
+    def run(q, k, v, p):
+        return _lowbit_op(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, int(p.max_seqlen_q or 0), int(p.max_seqlen_k or 0),
+                          p.causal, p.softmax_scale, fmt, p_fp4, qk_format or fmt, rotate, native_fp4, fp8_backward)
 
-    kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-              max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, key_mask=key_mask, segments=segments)
-    if seqused_k is not None or key_mask is not None or segments is not None:
+    if params.masks_keys():
         if return_lse:
             raise NotImplementedError("return_lse with seqused_k / key_mask / segments is not supported here.")
-        return interface._unpadded(run, q, k, v, kw)[0]
-    out, lse = run(q, k, v, kw)
+        return interface._unpadded(run, q, k, v, params)[0]
+    out, lse = run(q, k, v, params)
     return (out, lse) if return_lse else out
 
 

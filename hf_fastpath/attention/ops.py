@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..kernels.flash_attention import flash_attention_backward, flash_attention_forward
+from .params import AttentionParams, make_params
 from .triton_backend import check_inputs
 
 __all__ = ["flash_attn_forward", "flash_attn_backward", "flash_attn"]
@@ -95,17 +96,17 @@ def _backward(ctx, dout, _dlse):
 flash_attn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attn(q, k, v, *, causal, softmax_scale, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-               max_seqlen_k=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None,
-               key_mask=None, segments=None):
-    """Differentiable `(out, lse)` through the ops. Varlen calls should pass `max_seqlen_q/k` (else one host read)."""
-    if cu_seqlens_q is not None and (max_seqlen_q is None or max_seqlen_k is None):
-        max_seqlen_q = max_seqlen_q if max_seqlen_q is not None else int(torch.diff(cu_seqlens_q).max())
-        max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else int(torch.diff(cu_seqlens_k).max())
-    left, right = window_size
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q or 0), int(max_seqlen_k or 0), alibi_slopes,
-            seqused_k, key_mask, segments, bool(causal), float(softmax_scale), int(left), int(right),
-            float(softcap or 0.0))
+def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
+    """Differentiable `(out, lse)` through the ops, for `params` (or the keyword arguments of `make_params`).
+    Varlen calls should carry `max_seqlen_q/k` (else one host read)."""
+    p = params if params is not None else make_params(q, k, v, **kwargs)
+    max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
+    if p.varlen and (max_q is None or max_k is None):
+        max_q = max_q if max_q is not None else int(torch.diff(p.cu_seqlens_q).max())
+        max_k = max_k if max_k is not None else int(torch.diff(p.cu_seqlens_k).max())
+    left, right = p.window_size
+    args = (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, int(max_q or 0), int(max_k or 0), p.alibi_slopes, p.seqused_k,
+            p.key_mask, p.segments, p.causal, p.softmax_scale, int(left), int(right), p.softcap)
     if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                                or v.requires_grad)):
         return _forward(*args)  # eager inference (decoding): the op's dispatch would add ~20 µs of host time a call

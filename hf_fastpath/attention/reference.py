@@ -130,26 +130,10 @@ def _key_ok(key_mask, segments, b, ik):
 
 
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, key_mask=None, segments=None):
-    varlen = cu_seqlens_q is not None
-    if varlen and (seqused_k is not None or key_mask is not None or segments is not None):
-        raise ValueError("seqused_k, key_mask and segments are for dense [B, S, H, D] inputs, not with cu_seqlens.")
-    if segments is not None and (q.shape[1] != k.shape[1] or tuple(segments.shape) != (3, k.shape[0], k.shape[1])):
-        raise ValueError(f"segments must be the [3, batch, seq] table of segment_table for as many queries as keys, "
-                         f"got {tuple(segments.shape)} for q {tuple(q.shape)}, k {tuple(k.shape)}.")
-    if key_mask is not None and tuple(key_mask.shape) != (k.shape[0], k.shape[1]):
-        raise ValueError(f"key_mask must be [batch, keys] = {(k.shape[0], k.shape[1])}, got {tuple(key_mask.shape)}.")
-    if (cu_seqlens_k is None) != (not varlen):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together.")
-    want = 3 if varlen else 4
-    if q.dim() != want or k.dim() != want or v.dim() != want:
-        raise ValueError(
-            f"Expected {'[T, H, D] tensors with cu_seqlens' if varlen else '[B, S, H, D] tensors'}, got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
-        )
-    if q.shape[-2] % k.shape[-2] != 0 or k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"Query heads ({q.shape[-2]}) must be a multiple of key/value heads ({k.shape[-2]}, {v.shape[-2]})."
-        )
+    from .params import _check_masks, check_qkv
+
+    check_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_masks(q, k, cu_seqlens_q is not None, seqused_k, key_mask, segments)
 
 
 def attention_forward(

@@ -10,6 +10,7 @@ import os
 import torch
 
 from ..kernels.flash_attention import flash_attention_backward, flash_attention_forward
+from .params import check_qkv
 
 __all__ = ["attention_forward", "attention_backward", "check_inputs", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
 
@@ -22,63 +23,28 @@ def _device_ok(t: torch.Tensor) -> bool:
 
 
 def check_inputs(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, window_size=(-1, -1)):
-    """Raise a ValueError/TypeError naming the problem and the fix; return cu_seqlens as contiguous int32."""
+    """Raise a ValueError/TypeError naming the problem and the fix; return cu_seqlens as contiguous int32. The
+    layout checks are `params.check_qkv`'s; these add what our kernels need (dtype, device, head dim)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
-        if t.dtype not in SUPPORTED_DTYPES:
+        if isinstance(t, torch.Tensor) and t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"Triton attention supports float16, bfloat16 and float32; {name} is {t.dtype}. "
                             f"Cast the inputs (e.g. q.to(torch.bfloat16)) or use backend='reference'.")
-        if not _device_ok(t):
+        if isinstance(t, torch.Tensor) and not _device_ok(t):
             raise ValueError(f"Triton attention needs CUDA tensors; {name} is on {t.device}. Move the tensors to "
                              f"the GPU, use backend='reference', or set TRITON_INTERPRET=1 to interpret on the CPU.")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}.")
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together.")
-    want = 3 if varlen else 4
-    if q.dim() != want or k.dim() != want or v.dim() != want:
-        layout = "[total_tokens, heads, head_dim] with cu_seqlens" if varlen else "[batch, seq, heads, head_dim]"
-        raise ValueError(f"Expected {layout} tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}.")
+    check_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
     d, dv = q.shape[-1], v.shape[-1]
-    if k.shape[-1] != d:
-        raise ValueError(f"q and k head dims differ ({d} vs {k.shape[-1]}).")
     if not (0 < d <= MAX_HEAD_DIM and 0 < dv <= MAX_HEAD_DIM):
         raise ValueError(f"Triton attention supports head dims up to {MAX_HEAD_DIM}; got {d} (q/k) and {dv} (v). "
                          f"Use backend='reference' for larger heads.")
-    hq, hk, hv = q.shape[-2], k.shape[-2], v.shape[-2]
-    if hk != hv or hk == 0 or hq % hk != 0:
-        raise ValueError(f"Query heads ({hq}) must be a multiple of key/value heads (k {hk}, v {hv}; k and v must "
-                         f"match). For GQA/MQA pass K/V with their own head count, unrepeated.")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k and v must agree on all but the head dim: {tuple(k.shape)} vs {tuple(v.shape)}.")
-    if not varlen and q.shape[0] != k.shape[0]:
-        raise ValueError(f"Batch sizes differ: q {q.shape[0]}, k {k.shape[0]}.")
-    batch = q.shape[0]
-    if varlen:
-        cus = []
-        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-            if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] of offsets, got "
-                                 f"{cu.dtype} {tuple(cu.shape)}.")
-            if cu.device != q.device:
-                raise ValueError(f"{name} is on {cu.device}; it must be on {q.device} with q, k, v.")
-            cus.append(cu.to(torch.int32).contiguous())
-        if cus[0].numel() != cus[1].numel():
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                             f"{cus[0].numel()} and {cus[1].numel()}.")
-        batch = cus[0].numel() - 1
-        cu_seqlens_q, cu_seqlens_k = cus
+    if cu_seqlens_q is not None:
+        cu_seqlens_q, cu_seqlens_k = (cu.to(torch.int32).contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
     if alibi_slopes is not None:
+        hq = q.shape[-2]
+        batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
         if alibi_slopes.shape not in ((hq,), (batch, hq)):
             raise ValueError(f"alibi_slopes must be [heads] or [batch, heads] = ({hq},) or ({batch}, {hq}), got "
                              f"{tuple(alibi_slopes.shape)}.")
-        if alibi_slopes.device != q.device:
-            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}; it must be on {q.device}.")
     if len(tuple(window_size)) != 2:
         raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window_size!r}.")
     return cu_seqlens_q, cu_seqlens_k

@@ -42,6 +42,7 @@ import torch
 
 from ..attention import attention
 from ..attention.backends import select_backend
+from ..attention.params import AttentionParams
 from ..attention.interface import _unpadded
 from ..kernels.flash_attention import segment_table
 from ..kernels.common import warn_once
@@ -307,13 +308,11 @@ def _run(kernel_fn, q, k, v, kw, masks, dropout, takes_masks):
         out = kernel_fn(q[0], k[0], v[0], **kw, **masks, **extra)
         return out.view(b, sq, *out.shape[1:])
     if masks and not takes_masks:
-        def varlen_kernel(q, k, v, varlen):
-            lens = {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")}
-            return kernel_fn(q, k, v, **kw, **lens, **extra), None
+        def varlen_kernel(q, k, v, p):
+            return kernel_fn(q, k, v, **kw, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+                             max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k, **extra), None
 
-        full = dict(kw, key_mask=masks.get("key_mask"), seqused_k=masks.get("seqused_k"),
-                    segments=masks.get("segments"))
-        return _unpadded(varlen_kernel, q, k, v, full)[0]
+        return _unpadded(varlen_kernel, q, k, v, AttentionParams(**kw, **masks))[0]
     return kernel_fn(q, k, v, **kw, **masks, **extra)
 
 
@@ -343,10 +342,6 @@ def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cumsum(marks, 0)
 
 
-_NO_MASKS = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
-                 key_mask=None, segments=None)
-
-
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, kernel_fn, name,
                        kernel_dropout, kernel_masks, auto_dispatch=False, **kwargs):
     """Transformers attention function: query `[B,Hq,Sq,D]`, key/value `[B,Hkv,Skv,D]` -> (`[B,Sq,Hq,D]`, None)."""
@@ -368,7 +363,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
             kw["alibi_slopes"] is None:
         # a plain call: where `fastpath` picks SDPA, call it on Transformers' own [B, H, S, D] tensors (the general
         # path's layout changes and checks cost ~15 µs of host time a call, which eager decoding pays per layer)
-        backend = select_backend("auto", q, k, v, dict(kw, **_NO_MASKS))
+        backend = select_backend("auto", q, k, v, AttentionParams(**kw))
         if backend.name == "sdpa":
             return backend.attend(query, key, value, kw["causal"], scale).transpose(1, 2), None
     if dropout:
