@@ -39,23 +39,19 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     and the registers shrink (mma.sync, 128 registers instead of wgmma's 227 at 16 rows: twice the resident warps).
 Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with plain Triton ops in place of the PTX and fp32 dots.
 
-Status (H200, benchmarks/results/w4a16.json, 2026-12-01, session 8): over cuBLAS bf16 on Llama-3 8B/70B shapes,
-M = 1 1.46-2.45x (1.0-2.8 TB/s of weight traffic; 0.74-1.39x torch's int4 tinygemm), M = 8 1.18-2.45x, M = 16
-1.14-1.82x, M = 32 0.89-1.62x, M = 64 0.71-1.51x; group 32 (session 5): M = 1 1.46-1.88x, M = 64 0.80-1.29x. The
-loop is ~2.0-2.2 SASS instructions per weight at M <= 8 (Triton 3.6, sm_90): the nibble unpack alone is ~1.1, so
-beyond ~3.5 TB/s the instruction issue itself would bind.
+Measured status and the gaps to the targets: docs/w4a16.md and benchmarks/results/w4a16.json.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv, interpreting
 from .device import cuda_index, current_stream, num_sms
 from .launch import LaunchCache
 from .w4a16_layout import k_tile_order, w4a16_pack, w4a16_unpack  # noqa: F401  (re-exported: the public API)
@@ -72,11 +68,6 @@ GRAD_DECODE_MAX_M = 16  # grad_input: the fused kernel only wins for very few ro
 _BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: the minimum tensor-core K)
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does when it decorates a kernel
-
-
-def _interpreting() -> bool:
-    return _INTERPRET
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -627,7 +618,7 @@ def _check_activation(x, what, name):
                          f"(e.g. {name}.to(torch.bfloat16)) or load the model in a 16-bit dtype")
     if x.dim() < 1:
         raise ValueError(f"{what}: {name} must have at least one dimension")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"{what}: the Triton kernels need a CUDA tensor, got {x.device} "
                          "(set TRITON_INTERPRET=1 to run them, slowly, on the CPU)")
 
@@ -651,10 +642,6 @@ def _as_rows(t, features: int, what: str, holds: str):
 # ----------------------------------------------------------------------------------------------------------------
 
 _PTX_OK: dict = {}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a Triton function object: several microseconds per call from Python
 
 
 def _num_sms(device) -> int:
@@ -700,7 +687,7 @@ def _splits(tiles: int, steps: int, n_sms: int, min_steps: int = 2, per_sm: int 
 def _use_ptx(device, dtype) -> bool:
     """The PTX unpack, verified once per device and dtype against the plain-Triton unpack (guards against a
     Triton version packing inline-asm operands differently); on a mismatch fall back with a warning."""
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return False
     key = (device.index, dtype)
     if key not in _PTX_OK:
@@ -780,13 +767,13 @@ def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret:
     tile_groups = _tile_groups(group_size, k)
     plane_groups = _plane_groups(group_size, k)
     cfg = cfg or _decode_config(m, k, n, interpret, tile_groups, plane_groups)
-    n_tiles = _cdiv(n, cfg["BLOCK_N"])
-    m_tiles = _cdiv(m, cfg["BLOCK_M"])
-    k_steps = _cdiv(k, _BLOCK_K)
+    n_tiles = cdiv(n, cfg["BLOCK_N"])
+    m_tiles = cdiv(m, cfg["BLOCK_M"])
+    k_steps = cdiv(k, _BLOCK_K)
     if split_k is None:
         split_k = _splits(n_tiles * m_tiles, k_steps, n_sms, min_steps=1, per_sm=cfg.get("per_sm", 1))
-    per_split = _cdiv(k_steps, split_k)
-    split_k = _cdiv(k_steps, per_split)
+    per_split = cdiv(k_steps, split_k)
+    split_k = cdiv(k_steps, per_split)
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 MODE=MODES[cfg["mode"]] if tile_groups else MODES["grouped"], PLANE_GROUPS=plane_groups,
                 EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, USE_PTX=use_ptx,
@@ -806,7 +793,7 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     n = out.shape[1]
     device = x2.device
     seg1, seg2 = segments or (n, n)
-    plan_args = (m, k, n, group_size, _num_sms(device), _interpreting(), _use_ptx(device, x2.dtype),
+    plan_args = (m, k, n, group_size, _num_sms(device), interpreting(), _use_ptx(device, x2.dtype),
                  segments is not None)
     custom = cfg is not None or split_k is not None
     grid, per_split, split_k, tiles, meta = (_decode_plan(*plan_args, cfg, split_k) if custom
@@ -826,18 +813,18 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
 def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, split_n=None):
     m, n = dy2.shape
     k = qweight.shape[0] * 8
-    interpret = _interpreting()
+    interpret = interpreting()
     if cfg is None:
         # One warp per program: with a 16-row output tile more warps would only replicate the unpacking.
         cfg = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1) if interpret else \
             dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=64, num_warps=1, num_stages=4)
-    k_tiles = _cdiv(k, _BLOCK_K)
-    m_tiles = _cdiv(m, cfg["BLOCK_M"])
-    n_steps = _cdiv(n, cfg["BLOCK_N"])
+    k_tiles = cdiv(k, _BLOCK_K)
+    m_tiles = cdiv(m, cfg["BLOCK_M"])
+    n_steps = cdiv(n, cfg["BLOCK_N"])
     if split_n is None:
         split_n = _splits(k_tiles * m_tiles, n_steps, _num_sms(dy2.device), min_steps=4, per_sm=8)
-    per_split = _cdiv(n_steps, split_n)
-    split_n = _cdiv(n_steps, per_split)
+    per_split = cdiv(n_steps, split_n)
+    split_n = cdiv(n_steps, per_split)
     target = dx if split_n == 1 else torch.zeros((m, k), device=dy2.device, dtype=torch.float32)
     _decode_grad_kernel[(k_tiles, split_n, m_tiles)](
         dy2, qweight, scales, zeros, target, m, n, k, dy2.stride(0), target.stride(0), group_size, per_split,
@@ -854,10 +841,10 @@ def _dequantize(qweight, scales, zeros, group_size, dtype, use_ptx=None):
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     w = torch.empty((k, n), device=qweight.device, dtype=dtype)
-    block_n, warps = (64, 4) if _interpreting() else (256, 8)
+    block_n, warps = (64, 4) if interpreting() else (256, 8)
     if use_ptx is None:
         use_ptx = _use_ptx(qweight.device, dtype)
-    grid = (_cdiv(k, _BLOCK_K), _cdiv(n, block_n))
+    grid = (cdiv(k, _BLOCK_K), cdiv(n, block_n))
     _dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n,
                           TILE_GROUPS=_tile_groups(group_size, k), PLANE_GROUPS=_plane_groups(group_size, k),
                           EVEN_K=k % _BLOCK_K == 0, USE_PTX=use_ptx,
@@ -912,7 +899,7 @@ _INTERPRET_SEGMENT_COLUMNS = 64  # the interpreter's BLOCK_N
 
 def w4a16_segment_columns() -> int:
     """What each weight's N must be a multiple of for `w4a16_matmul_concat` to run it in one launch with others."""
-    return _INTERPRET_SEGMENT_COLUMNS if _INTERPRET else SEGMENT_COLUMNS
+    return _INTERPRET_SEGMENT_COLUMNS if interpreting() else SEGMENT_COLUMNS
 
 
 def w4a16_back_to_back(parts) -> bool:
@@ -1000,7 +987,7 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     what = "w4a16_dequantize"
     if not isinstance(scales, torch.Tensor) or scales.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{what}: scales must be a float16 or bfloat16 tensor, got {getattr(scales, 'dtype', None)}")
-    if qweight.device.type != "cuda" and not _interpreting():
+    if qweight.device.type != "cuda" and not interpreting():
         raise ValueError(f"{what}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
     k, n, group_size = _check_weights(qweight, scales, zeros, group_size, scales.dtype, qweight.device, what)
     dtype = dtype or scales.dtype
