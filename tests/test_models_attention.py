@@ -136,6 +136,18 @@ def test_greedy_generate_matches_reference(reference_kernel, family, cache):
         assert torch.equal(seq_fast, seq_ref)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_static_cache_with_padding_matches_eager(reference_kernel, family):
+    # past the window (8) a full sliding layer keeps the last positions: slot j holds position kv_offset + j, and
+    # the padding of a left-padded row must follow its positions, not its slots
+    ref, fast = tiny_model(family, "eager"), tiny_model(family, "fastpath")
+    ids, mask = random_batch(2, 7, left_pad=(3, 0), seed=3)
+    seq_ref, logits_ref = _generate(ref, ids, mask, max_new_tokens=8, cache_implementation="static")
+    seq_fast, logits_fast = _generate(fast, ids, mask, max_new_tokens=8, cache_implementation="static")
+    torch.testing.assert_close(logits_fast, logits_ref, atol=ATOL, rtol=1e-4)
+    assert torch.equal(seq_fast, seq_ref)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_set_attn_implementation_on_loaded_model(reference_kernel, family):
     fast = tiny_model(family, "fastpath")

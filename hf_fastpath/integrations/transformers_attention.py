@@ -42,10 +42,10 @@ import torch
 
 from ..attention import attention
 from ..attention.backends import select_backend
-from ..attention.params import AttentionParams
 from ..attention.interface import _unpadded
-from ..kernels.flash_attention import segment_table
+from ..attention.params import AttentionParams
 from ..kernels.common import warn_once
+from ..kernels.flash_attention import segment_table
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ VARIANTS: dict[str, callable] = {}
 
 _MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _warn_once(key: str, message: str) -> None:
     warn_once(__name__, "adapter:" + key, message)
 
@@ -99,10 +101,12 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
         filled = (torch.arange(kv_length, device=device) + kv_offset) < (q_offset + q_length)
         if attention_mask is None:
             return torch.where(filled, 1, -1).to(torch.int8)[None].expand(batch_size, kv_length)
+        # slot j holds position kv_offset + j (a sliding-window layer that is full keeps the last positions)
         real = attention_mask.bool()
-        m = real.shape[1]
-        real = torch.nn.functional.pad(real, (0, kv_length - m)) if m < kv_length else real[:, :kv_length]
-        return torch.where(filled[None], real.to(torch.int8), -1).to(torch.int8)
+        end = kv_offset + kv_length
+        if real.shape[1] < end:
+            real = torch.nn.functional.pad(real, (0, end - real.shape[1]))
+        return torch.where(filled[None], real[:, kv_offset:end].to(torch.int8), -1).to(torch.int8)
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:].bool()
         if not compiling and attention_mask.shape[1] == kv_length and attention_mask.all():
