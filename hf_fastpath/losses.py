@@ -17,11 +17,11 @@ Tensors in, tensors out: no Transformers import here (the Transformers wiring is
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .kernels.cross_entropy import cross_entropy_rows_
+from .kernels.common import triton_runs_on
 
 __all__ = ["chunked_linear_cross_entropy", "default_chunk_rows", "CHUNK_BYTES"]
 
@@ -181,7 +181,7 @@ def _rows_loss_and_grad(logits, target, scale, softcap, need_grad):
     """Loss of every row (fp32, fp64 for fp64 logits) and d loss / d logits = (softmax - onehot) * scale in
     logits' dtype (None when not `need_grad`). The Triton kernel (CUDA, or the interpreter) writes the gradient over
     the logits in place: the chunk is the only [rows, V] buffer. The torch path (CPU, fp64) needs an fp32 copy."""
-    use_triton = logits.dtype != torch.float64 and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    use_triton = logits.dtype != torch.float64 and triton_runs_on(logits)
     if use_triton:
         loss = cross_entropy_rows_(logits, target, scale, softcap, need_grad)
         return loss, (logits if need_grad else None)

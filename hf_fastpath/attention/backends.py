@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 from typing import NamedTuple
 
@@ -21,7 +20,7 @@ import torch
 
 from . import dispatch
 from .params import AttentionParams
-from ..kernels.common import warn_once
+from ..kernels.common import interpret_requested, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +266,7 @@ class TritonBackend:
     def missing(self) -> str | None:
         if not _importable("triton"):
             return "not installed (pip install triton)"
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if interpret_requested():
             return None
         cap = cuda_capability()
         if cap is None:
@@ -279,7 +278,7 @@ class TritonBackend:
     def unsupported(self, req: Request) -> str | None:
         from .triton_backend import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
-        if req.capability is None and os.environ.get("TRITON_INTERPRET") != "1":
+        if req.capability is None and not interpret_requested():
             return "needs a CUDA device (or TRITON_INTERPRET=1)"
         if req.dtype not in SUPPORTED_DTYPES:
             return f"supports float16/bfloat16/float32, got {req.dtype}"
@@ -401,7 +400,7 @@ def _select(name, q, k, v, params, dropout_p, return_lse):
             _warn_once(f"{fb.name} {why}: using hf_fastpath's Triton kernel for these calls instead.")
         if _OWN["sdpa"].unsupported(req) is None and dispatch.choose(req) == "sdpa":
             return _OWN["sdpa"]
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpret_requested()
     own = _OWN["triton"] if (on_cuda or interp) and _OWN["triton"].missing() is None else _OWN["reference"]
     why = own.unsupported(req)
     if why and own.name == "triton" and not req.dropout:

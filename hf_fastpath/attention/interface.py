@@ -6,19 +6,19 @@ raw (non-autograd) halves that ring attention composes. Semantics are defined in
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from . import reference
 from .params import AttentionParams, make_params
+from ..kernels.common import triton_runs_on
 
 __all__ = ["attention", "attention_forward", "attention_backward", "use_triton"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Own Triton kernels run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (CI)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs_on(t)
 
 
 def _raw_backend(q, v=None):

@@ -5,11 +5,11 @@ Same functions and keyword arguments as `reference.py` (which defines the semant
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from ..kernels.flash_attention import flash_attention_backward, flash_attention_forward
+from ..kernels.common import triton_runs_on
 from .params import check_qkv
 
 __all__ = ["attention_forward", "attention_backward", "check_inputs", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
@@ -19,7 +19,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _device_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return triton_runs_on(t)
 
 
 def check_inputs(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, window_size=(-1, -1)):

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-__all__ = ["interpreting", "cdiv", "next_pow2", "warn_once", "WARNED"]
+__all__ = ["interpreting", "interpret_requested", "triton_runs_on", "cdiv", "next_pow2", "warn_once", "WARNED"]
 
 WARNED: set[str] = set()  # keys of the one-time warnings given so far (tests may discard keys to see them again)
 
@@ -20,6 +20,16 @@ def interpreting() -> bool:
     environment lookup per call showed in the decode step's host time). Backend *choice* reads the variable per call
     (`attention.backends`), so tests can pretend a plain CPU machine."""
     return _INTERPRET
+
+
+def interpret_requested() -> bool:
+    """TRITON_INTERPRET=1 in the environment now (read per call: backend choice follows it)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether our Triton kernels can take `t`: a CUDA tensor, or a CPU tensor under the interpreter (CI)."""
+    return t.is_cuda or (t.device.type == "cpu" and interpret_requested())
 
 
 def cdiv(a: int, b: int) -> int:

@@ -7,11 +7,11 @@ is the only [rows, vocab] buffer the chunked loss ever holds.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .common import interpreting
 
 __all__ = ["cross_entropy_rows_"]
 
@@ -25,8 +25,7 @@ def cross_entropy_rows_(logits: torch.Tensor, target: torch.Tensor, scale: torch
     loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
     if rows == 0:
         return loss
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    block = min(triton.next_power_of_2(vocab), 256 if interpreting else 4096)
+    block = min(triton.next_power_of_2(vocab), 256 if interpreting() else 4096)
     _ce_rows_kernel[(rows,)](
         logits, logits.stride(0), target, loss, scale.float(), vocab, float(softcap or 1.0),
         HAS_SOFTCAP=softcap is not None, NEED_GRAD=need_grad, BLOCK=block, num_warps=8)

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 from torch import nn
 
 from ..kernels import w4a16_ops
-from ..kernels.common import warn_once
+from ..kernels.common import interpret_requested, warn_once
 from . import formats as F
 
 logger = logging.getLogger(__name__)
@@ -329,7 +328,7 @@ class W4A16Linear(nn.Module):
             reasons.append(f"group_size {self._effective_group_size} does not divide in_features {self.in_features}")
         if x.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"activations are {x.dtype}")
-        if not x.is_cuda and not (_backend == "kernel" and os.environ.get("TRITON_INTERPRET") == "1"):
+        if not x.is_cuda and not (_backend == "kernel" and interpret_requested()):
             reasons.append("tensors are on the CPU")
         if not reasons and _kernels() is None:
             reasons.append("hf_fastpath.kernels.w4a16 is not available")
