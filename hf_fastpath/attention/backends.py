@@ -138,13 +138,7 @@ class _FlashBackend:
 
     def unsupported(self, req: Request) -> str | None:
         """Why this request cannot run here (None if it can)."""
-        if req.capability is None:
-            return "needs a CUDA device"
-        if req.dtype not in (torch.float16, torch.bfloat16):
-            return f"needs float16/bfloat16 inputs, got {req.dtype}"
-        if req.head_dim != req.head_dim_v:
-            return "needs equal q/k and v head dims"
-        return None
+        return dispatch.cuda_half_unsupported(req)
 
 
 class FA2Backend(_FlashBackend):

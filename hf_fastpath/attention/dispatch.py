@@ -43,14 +43,22 @@ def phase_of(req) -> str:
     return "train" if req.train else "prefill"
 
 
-def sdpa_unsupported(req) -> str | None:
-    """Why torch SDPA (as `fastpath` calls it) cannot serve this request, or None."""
+def cuda_half_unsupported(req) -> str | None:
+    """What the flash kernels and SDPA's fast paths all need: CUDA, float16/bfloat16, equal q/k and v head dims."""
     if req.capability is None:
         return "needs a CUDA device"
     if req.dtype not in (torch.float16, torch.bfloat16):
-        return f"is used for float16/bfloat16 only, got {req.dtype}"
+        return f"needs float16/bfloat16 inputs, got {req.dtype}"
     if req.head_dim != req.head_dim_v:
         return "needs equal q/k and v head dims"
+    return None
+
+
+def sdpa_unsupported(req) -> str | None:
+    """Why torch SDPA (as `fastpath` calls it) cannot serve this request, or None."""
+    why = cuda_half_unsupported(req)
+    if why:
+        return why
     for used, what in ((req.varlen, "varlen"), (req.window, "sliding window"), (req.softcap, "softcap"),
                        (req.alibi, "ALiBi"), (req.dropout, "dropout"), (req.lse, "the LSE"),
                        (req.key_mask, "a padding mask or packed sequences"), (req.seqused, "a static-cache length")):
