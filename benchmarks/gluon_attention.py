@@ -1,0 +1,194 @@
+"""Forward TFLOP/s of the Gluon Hopper attention (`kernels/gluon_attention.py`) beside SDPA's cuDNN and FLASH
+backends and our plain-Triton kernel, all in one process (`triton.testing.do_bench`, median), after a correctness
+check against float64. 16k tokens per batch (batch = 16384 / seq); hd64 with 32 heads, hd128 with 16 heads.
+FLOPs = 4*B*H*S^2*D, halved when causal.
+
+    python benchmarks/gluon_attention.py            # GPU: writes benchmarks/results/gluon_attention.json
+    python benchmarks/gluon_attention.py --plot F   # no GPU needed: F (JSON) -> PNG beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gluon_attention.json")
+HEADS = {64: 32, 128: 16}
+SEQS = (1024, 2048, 4096, 8192, 16384)
+TOKENS = 16384
+# (BLOCK_N, STAGES, PINGPONG) tried beside the default `gluon_attention.config` with --variants
+VARIANTS = {64: {"nopp_n128s4": (128, 4, False), "pp_n64s6": (64, 6, True)},
+            128: {"nopp_n128s2": (128, 2, False), "pp_n128s3": (128, 3, True)}}
+
+
+def _log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def flops(b, h, s, d, causal):
+    return 4 * b * h * s * s * d / (2 if causal else 1)
+
+
+def implementations():
+    from attention import _sdpa  # benchmarks/attention.py: SDPA with one backend forced
+
+    from hf_fastpath.kernels.flash_attention import flash_attention_forward
+    from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
+
+    return {
+        "gluon": lambda q, k, v, c: gluon_attention_forward(q, k, v, causal=c)[0],
+        "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
+        "sdpa_flash": _sdpa("FLASH_ATTENTION"),
+        "triton": lambda q, k, v, c: flash_attention_forward(q, k, v, causal=c)[0],
+    }
+
+
+def check(impls):
+    """Every implementation against float64 on a few odd shapes (relative Frobenius error of out)."""
+    from hf_fastpath.attention import reference
+
+    worst = {}
+    for b, sq, sk, hq, hkv, d in ((2, 1000, 1000, 8, 2, 64), (1, 777, 1500, 8, 8, 128), (2, 1500, 777, 4, 4, 128)):
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                       for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+            ref = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal)[0]
+            for name, fn in impls.items():
+                if name.startswith("sdpa") and causal and sq != sk:
+                    continue  # SDPA's is_causal is aligned top-left
+                out = fn(q, k, v, causal).double()
+                err = ((out - ref).norm() / ref.norm()).item()
+                worst[name] = max(worst.get(name, 0.0), err)
+    _log("max relative error vs float64:", worst)
+    return worst
+
+
+def _variant(config):
+    from hf_fastpath.kernels import gluon_attention as ga
+
+    def run(q, k, v, causal):
+        default = ga.config
+        ga.config = lambda d, c: config
+        try:
+            return ga.gluon_attention_forward(q, k, v, causal=causal)[0]
+        finally:
+            ga.config = default
+
+    return run
+
+
+def bench(impls, head_dims, seqs, variants=False):
+    from triton.testing import do_bench
+
+    rows = []
+    for d in head_dims:
+        h = HEADS[d]
+        for causal in (False, True):
+            for s in seqs:
+                b = max(TOKENS // s, 1)
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal)
+                for name, fn in impls.items():
+                    try:
+                        ms = do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=50, return_mode="median")
+                        row[name] = dict(ms=ms, tflops=flops(b, h, s, d, causal) / ms * 1e-9)
+                    except Exception as exc:  # noqa: BLE001 - a peer may be missing on this machine
+                        row[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+                if variants:
+                    want = impls["sdpa_cudnn"](q, k, v, causal).float()
+                    for name, cfg in VARIANTS[d].items():
+                        fn = _variant(cfg)
+                        err = (fn(q, k, v, causal).float() - want).abs().max().item()
+                        ms = do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=50, return_mode="median")
+                        row.setdefault("gluon_variants", {})[name] = dict(
+                            config=cfg, ms=ms, tflops=flops(b, h, s, d, causal) / ms * 1e-9, max_abs_vs_cudnn=err)
+                if "tflops" in row["gluon"] and "tflops" in row["sdpa_cudnn"]:
+                    row["gluon_vs_cudnn"] = row["gluon"]["tflops"] / row["sdpa_cudnn"]["tflops"]
+                rows.append(row)
+                _log(_fmt(row))
+    return rows
+
+
+def _fmt(r):
+    def g(name):
+        x = r.get(name, {})
+        return f"{x['tflops']:6.1f}" if "tflops" in x else "     -"
+
+    return (f"hd{r['head_dim']:<4} S={r['seq']:<6} {'causal' if r['causal'] else 'full  '} gluon {g('gluon')}  "
+            f"cudnn {g('sdpa_cudnn')}  flash {g('sdpa_flash')}  triton {g('triton')}  "
+            f"x cuDNN {r.get('gluon_vs_cudnn', float('nan')):.2f}"
+            + "".join(f"  {n} {x['tflops']:6.1f}" for n, x in r.get("gluon_variants", {}).items()))
+
+
+def plot(path, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.load(open(path))
+    rows = data["rows"]
+    combos = [(d, c) for d in sorted({r["head_dim"] for r in rows}) for c in (False, True)]
+    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4.2), squeeze=False)
+    colors = {"gluon": "tab:red", "sdpa_cudnn": "tab:blue", "sdpa_flash": "tab:green", "triton": "tab:orange"}
+    for ax, (d, c) in zip(axes.flat, combos):
+        sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c]
+        for name, col in colors.items():
+            pts = [(r["seq"], r[name]["tflops"]) for r in sel if "tflops" in r.get(name, {})]
+            if pts:
+                ax.plot(*zip(*pts), "o-", color=col, label=name)
+        for r in sel:
+            if "gluon_vs_cudnn" in r:
+                ax.annotate(f"{r['gluon_vs_cudnn']:.2f}x", (r["seq"], r["gluon"]["tflops"]), fontsize=7,
+                            textcoords="offset points", xytext=(0, 6), ha="center", color="tab:red")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hd{d} {'causal' if c else 'full'} forward (label: gluon/cuDNN)")
+        ax.set_xlabel("seq (16k tokens per batch)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    meta = data["meta"]
+    fig.suptitle(f"Gluon FA3-style forward vs SDPA on {meta['gpu']}, bf16, torch {meta['torch']}, "
+                 f"triton {meta['triton']}")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(png, dpi=80)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", metavar="FILE", help="PNG to draw from the JSON (--json), without a GPU")
+    ap.add_argument("--json", default=RESULTS)
+    ap.add_argument("--head-dims", type=int, nargs="*", default=sorted(HEADS))
+    ap.add_argument("--seqs", type=int, nargs="*", default=list(SEQS))
+    ap.add_argument("--variants", action="store_true", help="also time the VARIANTS tile configs")
+    args = ap.parse_args()
+    if args.plot and not torch.cuda.is_available():
+        plot(args.json, args.plot)
+        return
+    import triton
+
+    t0 = time.time()
+    impls = implementations()
+    errors = check(impls)
+    rows = bench(impls, args.head_dims, args.seqs, args.variants)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat(), dtype="bf16", tokens_per_batch=TOKENS,
+                seconds=round(time.time() - t0, 1), timing="triton.testing.do_bench median, warmup 10, rep 50")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, max_rel_error_vs_fp64=errors, rows=rows), f, indent=1)
+    if args.plot:
+        plot(args.json, args.plot)
+
+
+if __name__ == "__main__":
+    main()

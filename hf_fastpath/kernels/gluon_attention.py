@@ -1,0 +1,329 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon, FlashAttention-3 style.
+
+One CTA per (128-query tile, batch x head), three partitions (`gl.warp_specialize`):
+- a 1-warp producer with few registers issues the TMA loads: Q once, then K and V tiles into a ring of STAGES
+  shared-memory slots (one "ready" mbarrier per slot and operand, one "empty" mbarrier per slot);
+- two 4-warp consumers (warpgroups) own 64 query rows each. Per key tile: S = Q.K^T by wgmma (both operands in
+  shared memory), online softmax in registers (exp2, the scale folded into one FMA), P cast to 16 bits and fed
+  back as the *register* A operand of the P.V wgmma (no shared-memory round trip). The Q.K^T of tile j is issued
+  before the P.V of tile j-1 and the softmax of tile j runs while that P.V is in flight (FA3's intra-warpgroup
+  overlap). With PINGPONG the two warpgroups take turns issuing their wgmmas (two mbarriers pass the turn), so
+  one's softmax runs under the other's tensor-core work.
+Causal attention is aligned bottom-right (query i sees keys j <= i + Sk - Sq): tiles above the diagonal are never
+loaded, and only the diagonal / sequence-end tiles pay for the mask. Rows with no visible key give 0 and lse -inf.
+Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
+are stored. Tensors in, tensors out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAS_GLUON = False
+
+__all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "config"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+HEAD_DIMS = (64, 128)
+ROWS_PER_WARPGROUP = 64  # the wgmma M of one warpgroup; two consumers make a 128-row query tile
+BLOCK_M = 2 * ROWS_PER_WARPGROUP
+MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers; setmaxnreg then moves them to the consumers
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
+
+
+def config(head_dim: int, causal: bool) -> tuple[int, int, bool]:
+    """(BLOCK_N, STAGES, PINGPONG) per head dim. Measured on the H200 (benchmarks/results/gluon_attention.json):
+    hd128 with 3 K/V stages (229.7 KB of shared memory, just under the 227 KB limit) is 9-26% faster than 2;
+    hd64 BLOCK_N 64 with 6 stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%. `causal` is unused yet."""
+    return {64: (128, 4, True), 128: (128, 3, True)}[head_dim]
+
+
+if HAS_GLUON:
+    # Triton 3.6 calls the TMA load `async_copy_global_to_shared`; 3.7+ renamed it `async_load` (the old name raises)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                  q_row, q_col, kv_row, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        rows: gl.constexpr = q_desc.block_type.shape[0]
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [q_row + rows, q_col], q_ready, q_smem.index(1))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
+            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _take_turn(turns, t, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: the two consumers issue their wgmmas alternately (consumer 0 first), so one's softmax
+        runs under the other's tensor-core work instead of both softmaxes at once. t counts issue points."""
+        if PINGPONG:
+            mbarrier.wait(turns.index(WARPGROUP), (t & 1) ^ (1 - WARPGROUP))
+
+    @gluon.jit
+    def _pass_turn(turns, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - WARPGROUP), count=1)
+
+    @gluon.jit
+    def _online_softmax(s, m_i, l_i, qk_scale, rows, key0, seq_k, diag, s_layout: gl.constexpr,
+                        BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+        """Scores of one key tile -> (P unnormalized, the factor for the running output, new max, new sum);
+        the max lives in the scaled log2 domain."""
+        if MASKED:
+            keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = gl.expand_dims(keys < seq_k, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diag, 1))
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        if MASKED:  # a row with no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0, no NaN)
+            m_new_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        alpha = gl.exp2(m_i - m_new_safe)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _attend(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i, qk_scale, rows, seq_k,
+                diag, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                MASKED: gl.constexpr, CAUSAL: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+        """Key tile j: S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} in flight together, softmax of S_j under the P.V."""
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        ROWS: gl.constexpr = q.shape[0]
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        _take_turn(turns, j, WARPGROUP, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+        _pass_turn(turns, WARPGROUP, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # wgmma groups retire in order: S_j is done
+        p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, s_layout,
+                                                 BLOCK_N, MASKED, CAUSAL)
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # P stays live until its wgmma has read it
+        mbarrier.arrive(kv_empty.index(prev), count=1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p_new.to(q.dtype), p.type.layout)
+        return o, p, m_i, l_i
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr,
+                  m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale,
+                  WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        ROWS: gl.constexpr = q_smem.type.shape[1]
+        # the wgmma accumulators: S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM]; P is O's register A operand
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        q = q_smem.index(WARPGROUP)
+        rows = m0 + WARPGROUP * ROWS + gl.arange(0, ROWS, layout=row_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        if n_tiles > 0:
+            mbarrier.wait(q_ready, 0)
+            # tile 0 alone (no P.V to overlap with yet); masked, as it may be the only tile
+            mbarrier.wait(k_ready.index(0), 0)
+            _take_turn(turns, 0, WARPGROUP, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+            _pass_turn(turns, WARPGROUP, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, 0, seq_k, diag, s_layout, BLOCK_N,
+                                                 True, CAUSAL)
+            p = gl.convert_layout(p.to(q.dtype), p_layout)
+            for j in range(1, n_full):  # tiles every row sees whole
+                o, p, m_i, l_i = _attend(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i,
+                                         qk_scale, rows, seq_k, diag, s_layout, o_layout, BLOCK_N, STAGES, False,
+                                         CAUSAL, WARPGROUP, PINGPONG)
+            for j in range(gl.maximum(n_full, 1), n_tiles):  # the diagonal and the sequence end
+                o, p, m_i, l_i = _attend(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i,
+                                         qk_scale, rows, seq_k, diag, s_layout, o_layout, BLOCK_N, STAGES, True,
+                                         CAUSAL, WARPGROUP, PINGPONG)
+            last = (n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+            _take_turn(turns, n_tiles, WARPGROUP, PINGPONG)
+            o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+            _pass_turn(turns, WARPGROUP, PINGPONG)
+            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+            mbarrier.arrive(kv_empty.index(last), count=1)
+
+        empty = l_i == 0.0  # no visible key (causal with Sq > Sk): out 0, lse -inf
+        inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+        o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        row_ok = rows < seq_q
+        gl.store(lse_ptr + (b * num_heads + h).to(gl.int64) * seq_q + rows, lse, mask=row_ok)
+
+        o_rows = m0 + WARPGROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        row_off = ((b * seq_q + o_rows).to(gl.int64) * num_heads + h) * HEAD_DIM
+        ptrs = out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_rows < seq_q, 1))
+
+    @gluon.jit
+    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k, num_heads, group,
+                         q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        TILE_M: gl.constexpr = 2 * ROWS
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # the longest rows first, so the short ones fill the tail of the grid
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // num_heads
+        h = bh % num_heads
+        hk = h // group
+        m0 = pid_m * TILE_M
+
+        diag = seq_k - seq_q
+        if CAUSAL:
+            key_end = gl.minimum(seq_k, m0 + TILE_M + diag)  # keys past it are hidden from every row of the tile
+            full_end = gl.minimum(seq_k, m0 + 1 + diag)  # keys before it are visible to every row
+        else:
+            key_end = seq_k
+            full_end = seq_k
+        n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
+        n_full = gl.maximum(full_end, 0) // BLOCK_N
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+
+        q_row = b * q_row_b + h * q_row_h + m0
+        kv_row = b * kv_row_b + hk * kv_row_h
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
+                         seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
+                         CAUSAL, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
+                         seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
+                         CAUSAL, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                         q_row, h * q_col_h, kv_row, hk * kv_col_h, n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], _REGS)
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
+    """Whether `gluon_attention_forward` takes these inputs on this machine (else the caller falls back)."""
+    return (HAS_GLUON and q.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[-1] in HEAD_DIMS and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
+            and k.shape == v.shape and q.shape[0] == k.shape[0] and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
+
+
+def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A 2-D [rows, cols] view of `[B, S, H, D]` for TMA and how (b, h, s) maps onto it: row = b*row_b + h*row_h
+    + s, column = h*col_h. Takes [B, S, H, D]- and [B, H, S, D]-contiguous memory without a copy."""
+    B, S, H, D = x.shape
+    sb, ss, sh, sd = x.stride()
+    if sd == 1 and sh == D and ss == H * D and sb == S * H * D:
+        return x.view(B * S, H * D), (S, 0, D)
+    if sd == 1 and ss == D and sh == S * D and sb == H * S * D:
+        return x.transpose(1, 2).view(B * H * S, D), (H * S, S, 0)
+    return _row_view(x.contiguous())
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> None:
+    if not HAS_GLUON:
+        raise ValueError("gluon_attention_forward needs Triton with Gluon's Hopper module (triton >= 3.6); "
+                         "use hf_fastpath.kernels.flash_attention.flash_attention_forward instead")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, S, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        raise ValueError("gluon_attention_forward runs on Hopper (sm_90) GPUs only; elsewhere use "
+                         "flash_attention_forward")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS} and equal for q, k, v; got {q.shape[-1]}, "
+                         f"{k.shape[-1]}, {v.shape[-1]} (use flash_attention_forward for other head dims)")
+    if k.shape != v.shape or q.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must have equal shapes and q's batch; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+                         f", v {tuple(v.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive (the row max is taken before scaling); got "
+                         f"{softmax_scale}")
+
+
+def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                            softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q.k^T * scale).v -> (out like q, lse fp32 [B, Hq, Sq] in natural log) for q [B, Sq, Hq, D] and
+    k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    _check(q, k, v, softmax_scale)
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    out = torch.empty(B, Sq, Hq, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, Hq, Sq, device=q.device, dtype=torch.float32)
+    if B == 0 or Sq == 0 or Hq == 0:
+        return out, lse
+    if Sk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+
+    block_n, stages, pingpong = config(D, bool(causal))
+    elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q2, (q_row_b, q_row_h, q_col_h) = _row_view(q)
+    k2, (kv_row_b, kv_row_h, kv_col_h) = _row_view(k)
+    v2, v_map = _row_view(v)
+    if v_map != (kv_row_b, kv_row_h, kv_col_h):  # k and v share one address map in the kernel
+        k2, (kv_row_b, kv_row_h, kv_col_h) = _row_view(k.contiguous())
+        v2, _ = _row_view(v.contiguous())
+    q_block, kv_block = [ROWS_PER_WARPGROUP, D], [block_n, D]
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), q_block,
+                              gl.NVMMASharedLayout.get_default_for(q_block, elem))
+    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, elem)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kv_block, kv_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
+
+    grid = (triton.cdiv(Sq, BLOCK_M), B * Hq)
+    _attn_fwd_kernel[grid](q_desc, k_desc, v_desc, out, lse, Sq, Sk, Hq, Hq // Hkv,
+                           q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, softmax_scale * LOG2E,
+                           HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal),
+                           PINGPONG=pingpong,
+                           num_warps=4, maxnreg=MAXNREG)
+    return out, lse

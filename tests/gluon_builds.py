@@ -1,0 +1,84 @@
+"""Compiles the Gluon Hopper attention kernel for sm_90 without a GPU and prints one JSON line per variant:
+`{"name", "shared", "regs"...}` or `{"name", "error"}`. Run with TRITON_INTERPRET unset or 0 (Gluon has no
+interpreter); `tests/test_gluon_builds.py` starts it in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from hf_fastpath.kernels import gluon_attention as ga  # noqa: E402
+
+
+def _descriptor_type(dtype, block):
+    """The signature string the launcher derives from a host TensorDescriptor (a CPU tensor stands in)."""
+    from triton.runtime.jit import mangle_type
+
+    elem = ga.gl.bfloat16 if dtype == torch.bfloat16 else ga.gl.float16
+    base = torch.empty(block[0] * 2, block[1], dtype=dtype)
+    desc = ga.TensorDescriptor(base, list(base.shape), list(base.stride()), block,
+                               ga.gl.NVMMASharedLayout.get_default_for(block, elem))
+    return mangle_type(desc)
+
+
+def build(head_dim, causal, dtype=torch.bfloat16):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = ga._attn_fwd_kernel
+    block_n, stages, pingpong = ga.config(head_dim, causal)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong)
+    ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name == "q_desc":
+            sig[p.name] = _descriptor_type(dtype, [ga.ROWS_PER_WARPGROUP, head_dim])
+        elif p.name in ("k_desc", "v_desc"):
+            sig[p.name] = _descriptor_type(dtype, [block_n, head_dim])
+        elif p.name == "out_ptr":
+            sig[p.name] = ptr
+        elif p.name == "lse_ptr":
+            sig[p.name] = "*fp32"
+        else:
+            sig[p.name] = "fp32" if p.name == "qk_scale" else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in ("out_ptr", "lse_ptr")}
+    src = GluonASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga.MAXNREG))
+
+
+def cases():
+    for head_dim in ga.HEAD_DIMS:
+        for causal in (False, True):
+            yield f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16
+    yield "fwd hd128 causal fp16", 128, True, torch.float16
+
+
+def main():
+    only = sys.argv[1:]
+    for name, head_dim, causal, dtype in cases():
+        if only and not any(o in name for o in only):
+            continue
+        try:
+            kernel = build(head_dim, causal, dtype)
+            ptx = kernel.asm.get("ptx", "")
+            print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
+                                  setmaxnreg=ptx.count("setmaxnreg"))), flush=True)
+            if os.environ.get("GLUON_BUILDS_DUMP"):
+                d = os.environ["GLUON_BUILDS_DUMP"]
+                for ext in ("ttgir", "ptx"):
+                    with open(os.path.join(d, name.replace(" ", "_") + "." + ext), "w") as f:
+                        f.write(kernel.asm[ext])
+        except Exception as exc:  # noqa: BLE001 - report every build
+            print(json.dumps(dict(name=name, error=f"{type(exc).__name__}: {exc}"[-3000:])), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""GPU checks of the Gluon Hopper attention forward against float64 (run on an H200:
+`TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_gpu.py`). Skipped without an sm_90 GPU.
+
+With HF_FASTPATH_GPU_REPORT=path, every case's errors go to that JSON file as well."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_fastpath.attention import reference
+from hf_fastpath.kernels import gluon_attention as ga
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or not ga.HAS_GLUON
+    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET unset")
+
+REPORT: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    path = os.environ.get("HF_FASTPATH_GPU_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=1)
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, bhsd=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(s, h):
+        shape = (b, h, s, d) if bhsd else (b, s, h, d)
+        t = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+        return t.transpose(1, 2) if bhsd else t
+
+    return make(sq, hq), make(sk, hkv), make(sk, hkv)
+
+
+def _check(name, q, k, v, causal, tol=1e-2):
+    out, lse = ga.gluon_attention_forward(q, k, v, causal=causal)
+    ref_out, ref_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "out has NaN/inf"
+    rel = ((out.double() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), "lse -inf rows differ from the reference"
+    assert not torch.isnan(lse).any()
+    lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+    if empty.any():  # rows that see no key: exactly zero output
+        rows = empty.transpose(1, 2)  # [B, Sq, H]
+        assert (out[rows] == 0).all()
+    REPORT.append(dict(case=name, out_rel=rel, lse_abs=lse_err))
+    assert rel < tol, (name, rel)
+    assert lse_err < 2e-3, (name, lse_err)
+
+
+SHAPES = [  # b, sq, sk, hq, hkv
+    (1, 1, 1, 4, 4), (2, 17, 17, 4, 1), (1, 127, 129, 8, 2), (3, 129, 127, 4, 4), (1, 1000, 1000, 32, 8),
+    (2, 2049, 2049, 4, 4), (1, 1000, 2049, 8, 8), (2, 2049, 1000, 8, 2), (1, 17, 2049, 4, 4), (1, 256, 256, 4, 4),
+]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64_reference(shape, causal, d):
+    b, sq, sk, hq, hkv = shape
+    _check(f"{shape} causal={causal} d={d}", *_inputs(b, sq, sk, hq, hkv, d), causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bhsd", [False, True])
+def test_dtypes_and_layouts(dtype, bhsd):
+    _check(f"dtype={dtype} bhsd={bhsd}", *_inputs(2, 300, 333, 8, 2, 128, dtype=dtype, bhsd=bhsd), True)
+
+
+def test_fully_masked_rows_are_zero_with_lse_minus_inf():
+    # causal with Sq > Sk: the first Sq - Sk queries see no key
+    _check("sq>sk causal", *_inputs(2, 700, 130, 4, 2, 64), True)
+
+
+def test_repeat_runs_are_bitwise_equal():
+    q, k, v = _inputs(2, 2049, 2049, 16, 4, 128, seed=3)
+    for causal in (False, True):
+        first = ga.gluon_attention_forward(q, k, v, causal=causal)
+        for _ in range(4):
+            again = ga.gluon_attention_forward(q, k, v, causal=causal)
+            assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_rejects_unsupported_inputs_with_a_clear_error():
+    q, k, v = _inputs(1, 16, 16, 4, 4, 64)
+    with pytest.raises(ValueError, match="head dim"):
+        ga.gluon_attention_forward(q[..., :48], k[..., :48], v[..., :48])
+    with pytest.raises(ValueError, match="multiple"):
+        ga.gluon_attention_forward(q[:, :, :3], k[:, :, :2], v[:, :, :2])
+    assert ga.supported(q, k, v) and not ga.supported(q.float(), k.float(), v.float())

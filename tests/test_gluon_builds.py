@@ -1,0 +1,33 @@
+"""The Gluon Hopper attention kernel compiles for sm_90 and fits its shared memory, checked without a GPU.
+
+Gluon has no interpreter, so nothing else in CI compiles it: `gluon_builds.py` builds each variant with Triton's
+own compiler in a subprocess (TRITON_INTERPRET=0), for the Triton installed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_fastpath.kernels import gluon_attention as ga
+
+HOPPER_SHARED_BYTES = 232448  # per block, opt-in (227 KB)
+
+
+@pytest.mark.skipif(not ga.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
+def test_gluon_attention_builds_for_sm90():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_builds.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert builds, proc.stderr[-3000:]
+    failed = [b for b in builds if "error" in b]
+    assert not failed, failed
+    too_big = [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES]
+    assert not too_big, too_big
+    assert not [b for b in builds if b["spills"]], builds
+    assert {"fwd hd64 full bf16", "fwd hd128 causal bf16", "fwd hd128 causal fp16"} <= {b["name"] for b in builds}
