@@ -425,6 +425,22 @@ def test_static_cache_mask_is_one_shape_for_every_step():
     assert ta.fastpath_mask(batch_size=2, q_length=8, kv_length=8, attention_mask=torch.ones(2, 8, dtype=bool)) is None
 
 
+def test_mask_arguments_are_reused_per_mask_and_die_with_it():
+    # every layer of one forward gets the same derived tensors; none outlives the mask (a tensor kept across
+    # generate() calls moves the next static cache, and CUDA graphs then re-record every call)
+    import gc
+    import weakref
+
+    mask = ta.fastpath_mask(batch_size=1, q_length=1, kv_length=8, q_offset=torch.tensor(3), kv_offset=0,
+                            attention_mask=None, device=torch.device("cpu"))
+    first = ta._static_cache_args(mask)
+    assert ta._static_cache_args(mask)["seqused_k"] is first["seqused_k"]
+    seqused = weakref.ref(first["seqused_k"])
+    del mask, first
+    gc.collect()
+    assert seqused() is None and ta._last_mask_info[0] is None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input
 

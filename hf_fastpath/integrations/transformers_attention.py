@@ -37,6 +37,7 @@ import functools
 import inspect
 import logging
 import math
+import weakref
 
 import torch
 
@@ -149,24 +150,32 @@ def _compiling() -> bool:
 
 
 def _remember(slot, tensor, info):
-    if not _compiling():
-        slot[0] = (tensor, tensor._version, info)
+    """Keep `info` for as long as `tensor` lives, and no longer: a tensor kept past its forward would shift where
+    the next `generate()` allocates its static cache, and CUDA graphs re-record when a static input moves."""
+    if _compiling():
+        return
+
+    def forget(ref, slot=slot):
+        if slot[0] is not None and slot[0][0] is ref:
+            slot[0] = None
+
+    slot[0] = (weakref.ref(tensor, forget), tensor._version, info)
 
 
 def _recall(slot, tensor):
     cached = slot[0]
-    if not _compiling() and cached is not None and cached[0] is tensor and cached[1] == tensor._version:
+    if not _compiling() and cached is not None and cached[0]() is tensor and cached[1] == tensor._version:
         return cached[2]
     return None
 
 
 def _static_cache_args(codes: torch.Tensor) -> dict:
     """Kernel arguments for the int8 static-cache table: the keys in use per row, and the padding."""
-    info = _recall(_last_mask_info, codes)
-    if info is None:
-        info = {"key_mask": codes, "seqused_k": (codes >= 0).sum(-1, dtype=torch.int32)}
-        _remember(_last_mask_info, codes, info)
-    return info
+    seqused = _recall(_last_mask_info, codes)
+    if seqused is None:
+        seqused = (codes >= 0).sum(-1, dtype=torch.int32)
+        _remember(_last_mask_info, codes, seqused)
+    return {"key_mask": codes, "seqused_k": seqused}
 
 
 def _position_segments(position_ids: torch.Tensor):
