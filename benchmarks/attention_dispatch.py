@@ -6,6 +6,7 @@
 
 Calls are made the way each runs inside a model:
 - `ours`: `hf_fastpath.attention.ops.flash_attn` (the custom op the `fastpath` adapter calls);
+- `gluon`: `hf_fastpath.attention.ops.gluon_attn` (the Gluon forward, Hopper only; Triton backward);
 - `sdpa`: `F.scaled_dot_product_attention` as Transformers' "sdpa" calls it (`enable_gqa=True` without a mask,
   K/V repeated with one), torch choosing the kernel;
 - `sdpa_cudnn`, `sdpa_flash`: the same call with one SDPA kernel forced (as `fastpath`'s SDPA backends run it).
@@ -73,7 +74,14 @@ def _ours(q, k, v, causal, seqused=None):
     return flash_attn(q, k, v, causal=causal, softmax_scale=q.shape[-1] ** -0.5, seqused_k=seqused)[0]
 
 
-IMPLS = {"ours": _ours, "sdpa": _sdpa_call(None), "sdpa_cudnn": _sdpa_call("CUDNN_ATTENTION"),
+def _gluon(q, k, v, causal):
+    from hf_fastpath.attention.ops import gluon_attn
+    from hf_fastpath.attention.params import make_params
+
+    return gluon_attn(q, k, v, make_params(q, k, v, causal=causal, softmax_scale=q.shape[-1] ** -0.5))[0]
+
+
+IMPLS = {"ours": _ours, "gluon": _gluon, "sdpa": _sdpa_call(None), "sdpa_cudnn": _sdpa_call("CUDNN_ATTENTION"),
          "sdpa_flash": _sdpa_call("FLASH_ATTENTION"), "sdpa_efficient": _sdpa_call("EFFICIENT_ATTENTION")}
 
 
@@ -107,7 +115,7 @@ def bench_prefill(rows):
                 for phase in ("prefill", "train"):
                     row = dict(phase=phase, head_dim=d, heads=hq, kv_heads=hkv, batch=b, q_len=s, kv_len=s,
                                causal=causal, ms={})
-                    for name in ("ours", "sdpa", "sdpa_cudnn", "sdpa_flash"):
+                    for name in ("ours", "gluon", "sdpa", "sdpa_cudnn", "sdpa_flash"):
                         impl = IMPLS[name]
                         if phase == "prefill":
                             fn = lambda impl=impl: impl(q, k, v, causal)  # noqa: E731
@@ -263,7 +271,10 @@ def write_table(path):
             timings.append(("decode_eager", r["ms_eager"]))
         for phase, ms in timings:
             if ms.get("ours") and ms.get("sdpa"):
-                rows.append(dict(phase=phase, **base, triton_ms=round(ms["ours"], 5), sdpa_ms=round(ms["sdpa"], 5)))
+                row = dict(phase=phase, **base, triton_ms=round(ms["ours"], 5), sdpa_ms=round(ms["sdpa"], 5))
+                if ms.get("gluon"):
+                    row["gluon_ms"] = round(ms["gluon"], 5)
+                rows.append(row)
     meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
     meta["source"] = "benchmarks/results/" + os.path.basename(path)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "attention",

@@ -259,10 +259,93 @@ def test_float64_raw_halves_use_reference():
 def test_describe_backends(install):
     install("fa3", "fa2")
     rows = {r["name"]: r for r in describe_backends()}
-    assert list(rows) == ["fa3", "fa4", "fa2", "triton", "sdpa", "reference"]
+    assert list(rows) == ["fa3", "fa4", "fa2", "triton", "gluon", "sdpa", "reference"]
     assert rows["fa3"]["available"] and rows["fa3"]["reason"] == "ok (sm_90)"
     assert not rows["fa4"]["available"] and "pip install flash-attn-4" in rows["fa4"]["reason"]
     assert rows["reference"]["available"]
     install("fa3", capability=(8, 0))
     rows = {r["name"]: r for r in describe_backends()}
     assert not rows["fa3"]["available"] and "Hopper" in rows["fa3"]["reason"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Gluon forward (Hopper): which calls it takes, and where "auto" runs it
+
+
+def _table(monkeypatch, rows):
+    from hf_fastpath.attention import dispatch
+
+    monkeypatch.setitem(dispatch._TABLES, "dispatch_sm90.json", rows)
+    backends.clear_choices()
+
+
+PREFILL_ROW = dict(phase="prefill", head_dim=64, gqa=True, causal=True, batch=2, kv_len=16)
+
+
+def test_gluon_backend_takes_plain_hopper_calls_only(install, monkeypatch):
+    install()
+    monkeypatch.setattr(backends, "_gluon_importable", lambda: True)
+    gluon = backends.BACKENDS["gluon"]
+    q, k, v = _qkv(d=64, grad=False)
+    plain = AttentionParams(causal=True, softmax_scale=0.25)
+    assert gluon.missing() is None and gluon.unsupported(backends.Request.of(q, k, v, plain)) is None
+    why = lambda q, k, v, p=plain: gluon.unsupported(backends.Request.of(q, k, v, p))  # noqa: E731
+    assert "head dims 64, 128" in why(*_qkv(d=16, grad=False))
+    assert "float16/bfloat16" in why(q.float(), k.float(), v.float())
+    assert "sliding window" in why(q, k, v, plain._replace(window_size=(4, 0)))
+    assert "padding" in why(q, k, v, plain._replace(key_mask=torch.ones(2, 12)))
+    assert "static-cache" in why(q, k, v, plain._replace(seqused_k=torch.full((2,), 12)))
+    install(capability=(8, 0))
+    assert "Hopper" in gluon.missing()
+    with pytest.raises(BackendUnavailable, match="gluon.*Hopper"):
+        attention(q, k, v, backend="gluon")
+    monkeypatch.setattr(backends, "_gluon_importable", lambda: False)
+    assert "Gluon" in gluon.missing()
+
+
+def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
+    from hf_fastpath.attention import dispatch
+
+    install()
+    monkeypatch.setattr(backends, "_gluon_importable", lambda: True)
+    monkeypatch.setattr(backends.SDPABackend, "missing", lambda self: None)  # as on a GPU
+    q, k, v = _qkv(b=2, s=16, hq=4, hkv=2, d=64, grad=False)
+    plain = AttentionParams(causal=True, softmax_scale=0.25)
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7)])
+    assert select_backend("auto", q, k, v, plain).name == "gluon"
+    assert "gluon" in dispatch.explain((9, 0))[0] and "gluon 0.700 ms" in dispatch.explain((9, 0))[0]
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.9)])
+    assert select_backend("auto", q, k, v, plain).name == "sdpa"
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=1.2)])  # not measured: never picked
+    assert select_backend("auto", q, k, v, plain).name == "triton"
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7)])
+    # a padded call: neither SDPA nor Gluon takes it
+    masked = plain._replace(key_mask=torch.ones(2, 16))
+    assert select_backend("auto", q, k, v, masked).name == "triton"
+
+
+def test_gluon_op_shapes_and_gradients(monkeypatch):
+    # the custom op's fake shapes, and its autograd: the Triton backward from the forward's (out, lse). The Gluon
+    # kernel itself needs a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for it.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_fastpath.attention import ops
+    from hf_fastpath.kernels.flash_attention import flash_attention_forward
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16), torch.empty(2, 7, 2, 64, dtype=torch.bfloat16)
+        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, True, 0.125)
+    assert out.shape == q.shape and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+
+    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, causal, scale: flash_attention_forward(
+        q, k, v, causal=causal, softmax_scale=scale))
+    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=32))
+    out, _ = ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3))
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want_out, _ = reference.attention_forward(q64, k64, v64, causal=True, softmax_scale=0.3)
+    want = torch.autograd.grad(want_out, (q64, k64, v64), g.double())
+    torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BACKEND_NAMES", "BackendUnavailable", "Request", "clear_choices", "describe_backends", "select_backend"]
 
-BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "sdpa", "reference")
+BACKEND_NAMES = ("auto", "fa3", "fa4", "fa2", "triton", "gluon", "sdpa", "reference")
 
 
 class BackendUnavailable(RuntimeError):
@@ -315,6 +315,54 @@ class SDPABackend:
         return out.transpose(1, 2), None
 
 
+@torch.compiler.assume_constant_result
+def _gluon_importable() -> bool:
+    from ..kernels.gluon_attention import HAS_GLUON
+
+    return HAS_GLUON
+
+
+class GluonBackend:
+    """Our Gluon FlashAttention forward for Hopper (`kernels/gluon_attention.py`: warp-specialized, TMA, ping-pong
+    wgmma) with the Triton backward. Plain dense calls at head dim 64 or 128; "auto" runs it where the measured table
+    says it beats SDPA and our Triton kernel."""
+
+    name = "gluon"
+
+    def missing(self):
+        if not _gluon_importable():
+            return "this Triton has no Gluon Hopper module (needs triton >= 3.6)"
+        cap = cuda_capability()
+        if cap is None:
+            return "no CUDA device"
+        if cap != (9, 0):
+            return f"needs a Hopper GPU (sm_90), this GPU is sm_{cap[0]}{cap[1]}"
+        return None
+
+    def unsupported(self, req):
+        from ..kernels.gluon_attention import HEAD_DIMS
+
+        why = dispatch.cuda_half_unsupported(req)
+        if why:
+            return why
+        if req.capability != (9, 0):
+            return f"needs a Hopper GPU (sm_90), this GPU is sm_{req.capability[0]}{req.capability[1]}"
+        if req.head_dim not in HEAD_DIMS:
+            return f"supports head dims {', '.join(map(str, HEAD_DIMS))}, got {req.head_dim}"
+        for used, what in ((req.varlen, "varlen inputs"), (req.window, "sliding window"), (req.softcap, "softcap"),
+                           (req.alibi, "ALiBi"), (req.dropout, "dropout"),
+                           (req.key_mask, "padding masks or packed sequences"), (req.seqused, "static-cache lengths")):
+            if used:
+                return f"has no {what}"
+        return None
+
+    def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
+        from .ops import gluon_attn
+
+        out, lse = gluon_attn(q, k, v, p)
+        return out, (lse if return_lse else None)
+
+
 class ReferenceBackend:
     name = "reference"
 
@@ -332,7 +380,7 @@ class ReferenceBackend:
 
 
 _FLASH = {"fa3": FA3Backend(), "fa4": FA4Backend(), "fa2": FA2Backend()}
-_OWN = {"triton": TritonBackend(), "sdpa": SDPABackend(), "reference": ReferenceBackend()}
+_OWN = {"triton": TritonBackend(), "gluon": GluonBackend(), "sdpa": SDPABackend(), "reference": ReferenceBackend()}
 BACKENDS = {**_FLASH, **_OWN}
 
 
@@ -351,7 +399,7 @@ def _signature(q, k, v, p: AttentionParams, dropout_p, return_lse):
 
 def select_backend(name: str, q, k, v, params: AttentionParams, dropout_p: float = 0.0, return_lse: bool = False):
     """The backend object for this call. Forced names raise BackendUnavailable / NotImplementedError with the reason;
-    "auto" walks FA3 > FA4 > FA2 > (Triton or SDPA, by `dispatch`) on CUDA, Triton under the interpreter, else the
+    "auto" walks FA3 > FA4 > FA2 > (Triton, Gluon or SDPA, by `dispatch`) on CUDA, Triton under the interpreter, else the
     reference (remembered per call signature: `clear_choices()` after installing a package)."""
     # (not while compiling: Dynamo runs this once per graph anyway, and a cache filled inside a traced function
     # changes a global the graph's guards watch, so the next call would compile again)
@@ -392,8 +440,11 @@ def _select(name, q, k, v, params, dropout_p, return_lse):
             if why is None:
                 return fb
             _warn_once(f"{fb.name} {why}: using hf_fastpath's Triton kernel for these calls instead.")
-        if _OWN["sdpa"].unsupported(req) is None and dispatch.choose(req) == "sdpa":
-            return _OWN["sdpa"]
+        # our Triton kernel, or a faster one the measured table knows for this kind of call
+        others = tuple(n for n in ("sdpa", "gluon") if _OWN[n].missing() is None and _OWN[n].unsupported(req) is None)
+        choice = dispatch.choose(req, others) if others else "triton"
+        if choice != "triton":
+            return _OWN[choice]
     interp = interpret_requested()
     own = _OWN["triton"] if (on_cuda or interp) and _OWN["triton"].missing() is None else _OWN["reference"]
     why = own.unsupported(req)

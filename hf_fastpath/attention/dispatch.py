@@ -1,12 +1,12 @@
-"""Which kernel `fastpath` runs for a call our Triton kernel and torch SDPA can both serve: the one that measured
-faster for the nearest measured kind of call on this GPU architecture.
+"""Which kernel `fastpath` runs for a call our Triton kernel serves and torch SDPA or our Gluon kernel (Hopper) could
+serve too: the one that measured fastest for the nearest measured kind of call on this GPU architecture.
 
 The tables (`dispatch_sm90.json`, ...) come from `benchmarks/attention_dispatch.py --write-table`: per phase
 (`prefill`: forward only, `train`: forward + backward, `decode`: one query, CUDA-graph times, and `decode_eager`,
-host time included), head dim, GQA or not, causal or not,
-batch and key length, the median times of both, each called as it runs in a model. A call takes the row with the
-same phase and causality, then the nearest head dim, GQA-ness, and (in log scale) key length and batch. GPUs without
-a table run our kernel.
+host time included), head dim, GQA or not, causal or not, batch and key length, the median times of each kernel
+(`triton_ms`, `sdpa_ms`, and `gluon_ms` where measured), each called as it runs in a model. A call takes the row
+with the same phase and causality, then the nearest head dim, GQA-ness, and (in log scale) key length and batch.
+GPUs without a table run our kernel.
 
 SDPA serves only plain calls: no varlen, window, softcap, ALiBi, key mask or static-cache length, and either as
 many queries as keys or one query (SDPA's causal mask is top-left aligned).
@@ -20,7 +20,7 @@ import os
 
 import torch
 
-__all__ = ["choose", "table_for", "explain"]
+__all__ = ["choose", "fastest", "table_for", "explain"]
 
 _TABLES: dict = {}
 _CHOICES: dict = {}
@@ -75,9 +75,15 @@ def _nearest(rows, key, value, log=False):
     return [r for r in rows if dist(r) == best]
 
 
+def fastest(row, candidates=("sdpa", "gluon")) -> str:
+    """The fastest of "triton" and the candidates measured in this table row."""
+    times = {name: row.get(f"{name}_ms") for name in ("triton",) + tuple(candidates)}
+    return min((t, name) for name, t in times.items() if t is not None)[1]
+
+
 @torch.compiler.assume_constant_result
 def _choose(key) -> str:
-    capability, phase, head_dim, gqa, causal, batch, kv_len = key
+    capability, phase, head_dim, gqa, causal, batch, kv_len, candidates = key
     rows = table_for(capability)
     if not rows:
         return "triton"
@@ -88,23 +94,24 @@ def _choose(key) -> str:
     rows = _nearest(rows, "gqa", gqa)
     rows = _nearest(rows, "kv_len", max(kv_len, 1), log=True)
     row = _nearest(rows, "batch", max(batch, 1), log=True)[0]
-    return "sdpa" if row["sdpa_ms"] < row["triton_ms"] else "triton"
+    return fastest(row, candidates)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def choose(req) -> str:
-    """"sdpa" or "triton" for a request both can serve (`sdpa_unsupported(req)` is None). Eager decoding uses the
-    eager (host time included) figures, compiled code the CUDA-graph ones. Lengths and batches are looked up by
-    their power-of-two ceiling, so a growing KV cache does not add a cache entry per token."""
+def choose(req, candidates=("sdpa",)) -> str:
+    """"triton" or one of `candidates` (backends that can serve this request besides our Triton kernel: "sdpa",
+    "gluon"), whichever measured fastest. Eager decoding uses the eager (host time included) figures, compiled code
+    the CUDA-graph ones. Lengths and batches are looked up by their power-of-two ceiling, so a growing KV cache does
+    not add a cache entry per token."""
     phase = phase_of(req)
     compiling = torch.compiler.is_compiling()
     if phase == "decode" and not compiling:
         phase = "decode_eager"
     key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, _pow2(req.batch),
-           _pow2(req.kv_len))
+           _pow2(req.kv_len), tuple(candidates))
     if compiling:  # a constant at trace time; filling _CHOICES here would trip the graph's guards on the next call
         return _choose(key)
     choice = _CHOICES.get(key)
@@ -122,6 +129,6 @@ def explain(capability) -> list[str]:
     for r in rows:
         shape = (f"{r['phase']:7s} hd{r['head_dim']} {'GQA' if r['gqa'] else 'MHA'} "
                  f"{'causal' if r['causal'] else 'full  '} batch {r['batch']:3d} keys {r['kv_len']:6d}")
-        pick = "sdpa" if r["sdpa_ms"] < r["triton_ms"] else "triton"
-        out.append(f"{shape}: {pick:6s} (triton {r['triton_ms']:.3f} ms, sdpa {r['sdpa_ms']:.3f} ms)")
+        times = ", ".join(f"{n} {r[f'{n}_ms']:.3f} ms" for n in ("triton", "gluon", "sdpa") if r.get(f"{n}_ms"))
+        out.append(f"{shape}: {fastest(r):6s} ({times})")
     return out

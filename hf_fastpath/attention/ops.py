@@ -20,7 +20,7 @@ from ..kernels.flash_attention import flash_attention_backward, flash_attention_
 from .params import AttentionParams, make_params
 from .triton_backend import check_inputs
 
-__all__ = ["flash_attn_forward", "flash_attn_backward", "flash_attn"]
+__all__ = ["flash_attn_forward", "flash_attn_backward", "flash_attn", "gluon_attn_forward", "gluon_attn"]
 
 Tensor = torch.Tensor
 
@@ -111,3 +111,52 @@ def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
                                                                                or v.requires_grad)):
         return _forward(*args)  # eager inference (decoding): the op's dispatch would add ~20 µs of host time a call
     return flash_attn_forward(*args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Gluon forward (Hopper, plain calls), with the Triton backward: both use the same LSE convention.
+
+
+def _gluon_forward(q, k, v, causal, softmax_scale):
+    from ..kernels.gluon_attention import gluon_attention_forward
+
+    return gluon_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+@torch.library.custom_op("hf_fastpath::gluon_attn_forward", mutates_args=())
+def gluon_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return _gluon_forward(q, k, v, causal, softmax_scale)
+
+
+@gluon_attn_forward.register_fake
+def _(q, k, v, causal, softmax_scale):
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def _gluon_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _gluon_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, scale = ctx.args
+    dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, None, None, 0, 0, None, None, None, None, causal, scale,
+                                     -1, -1, 0.0, False)
+    return dq, dk, dv, None, None
+
+
+gluon_attn_forward.register_autograd(_gluon_backward, setup_context=_gluon_setup_context)
+
+
+def gluon_attn(q, k, v, params: AttentionParams):
+    """Differentiable `(out, lse)` of a plain call (dense `[B, S, H, D]`, causal or not; no masks, window, softcap or
+    ALiBi) through the Gluon forward; `backends.GluonBackend` says which calls qualify."""
+    args = (q, k, v, params.causal, params.softmax_scale)
+    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                               or v.requires_grad)):
+        return _gluon_forward(*args)
+    return gluon_attn_forward(*args)

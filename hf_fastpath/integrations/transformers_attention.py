@@ -5,8 +5,8 @@
 
 - `fastpath`: the fastest backend this machine has for each call (FA3 > FA4 > FA2 when installed, else our Triton
   kernel or torch SDPA by the measured table in `attention/dispatch.py`; the reference on the CPU);
-- `fastpath_triton`, `fastpath_fa2`, `fastpath_fa3`, `fastpath_fa4`: one backend forced (clear error if missing or
-  unable to serve a call).
+- `fastpath_triton`, `fastpath_gluon`, `fastpath_fa2`, `fastpath_fa3`, `fastpath_fa4`: one backend forced (clear
+  error if missing or unable to serve a call).
 
 Use them as any Transformers attention: `from_pretrained(..., attn_implementation="fastpath")` or
 `model.set_attn_implementation("fastpath")`. Llama, GPT-2, GPT-NeoX, GPT-J and GPT-BigCode go through Transformers'
@@ -62,6 +62,7 @@ __all__ = [
 _BUILTIN_VARIANTS = {
     "fastpath": "auto",
     "fastpath_triton": "triton",
+    "fastpath_gluon": "gluon",
     "fastpath_fa2": "fa2",
     "fastpath_fa3": "fa3",
     "fastpath_fa4": "fa4",
