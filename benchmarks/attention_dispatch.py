@@ -294,7 +294,7 @@ def plot(path, png):
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
     for ax, phase in zip(axes, ("prefill", "train", "decode")):
         sel = [r for r in rows if r["phase"] == phase]
-        labels, ratios = [], []
+        labels, ratios, gluon = [], [], []
         for r in sel:
             ours = r["ms"].get("ours_static" if phase == "decode" else "ours")
             peer = r["ms"].get("sdpa_static" if phase == "decode" else "sdpa")
@@ -302,11 +302,18 @@ def plot(path, png):
                 labels.append(f"d{r['head_dim']} {r['heads']}/{r['kv_heads']} b{r['batch']} {r['kv_len']}"
                               + ("" if phase == "decode" else f" c{int(r['causal'])}"))
                 ratios.append(peer / ours)
-        ax.barh(range(len(ratios)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+                gluon.append(peer / r["ms"]["gluon"] if r["ms"].get("gluon") else 0.0)
+        y = list(range(len(ratios)))
+        height = 0.4 if any(gluon) else 0.8
+        ax.barh(y, ratios, height=height, color=["tab:green" if x >= 1 else "tab:red" for x in ratios],
+                label="our Triton kernel")
+        if any(gluon):
+            ax.barh([i + height for i in y], gluon, height=height, color="tab:blue", label="our Gluon forward")
+            ax.legend(fontsize=6)
         ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_yticks(range(len(labels)))
+        ax.set_yticks(y)
         ax.set_yticklabels(labels, fontsize=5)
-        ax.set_title(f"{phase}: SDPA time / our Triton time (>1: ours faster)")
+        ax.set_title(f"{phase}: SDPA time / our time (>1: ours faster)")
     fig.tight_layout()
     fig.savefig(png, dpi=130)
     print("wrote", png)
