@@ -4,6 +4,7 @@ check against float64. 16k tokens per batch (batch = 16384 / seq); hd64 with 32 
 FLOPs = 4*B*H*S^2*D, halved when causal.
 
     python benchmarks/gluon_attention.py            # GPU: writes benchmarks/results/gluon_attention.json
+    python benchmarks/gluon_attention.py --variants --json F   # also every opt-in variant (`variants()`)
     python benchmarks/gluon_attention.py --plot F   # no GPU needed: F (JSON) -> PNG beside it
 """
 
@@ -24,9 +25,6 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "g
 HEADS = {64: 32, 128: 16}
 SEQS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384
-# (BLOCK_N, STAGES, PINGPONG) tried beside the default `gluon_attention.config` with --variants
-VARIANTS = {64: {"nopp_n128s4": (128, 4, False), "pp_n64s6": (64, 6, True)},
-            128: {"nopp_n128s2": (128, 2, False), "pp_n128s3": (128, 3, True)}}
 
 
 def _log(*a):
@@ -51,9 +49,11 @@ def implementations():
     }
 
 
-def check(impls):
-    """Every implementation against float64 on a few odd shapes (relative Frobenius error of out)."""
+def check(impls, variants=False):
+    """Every implementation (and with `variants` every opt-in Gluon variant) against float64 on a few odd shapes
+    (relative Frobenius error of out)."""
     from hf_fastpath.attention import reference
+    from hf_fastpath.kernels import gluon_attention as ga
 
     worst = {}
     for b, sq, sk, hq, hkv, d in ((2, 1000, 1000, 8, 2, 64), (1, 777, 1500, 8, 8, 128), (2, 1500, 777, 4, 4, 128)):
@@ -61,7 +61,10 @@ def check(impls):
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                        for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
             ref = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal)[0]
-            for name, fn in impls.items():
+            fns = dict(impls)
+            if variants:
+                fns.update({f"gluon_{n}": _variant(cfg) for n, cfg in ga.variants(d, causal).items()})
+            for name, fn in fns.items():
                 if name.startswith("sdpa") and causal and sq != sk:
                     continue  # SDPA's is_causal is aligned top-left
                 out = fn(q, k, v, causal).double()
@@ -71,18 +74,10 @@ def check(impls):
     return worst
 
 
-def _variant(config):
-    from hf_fastpath.kernels import gluon_attention as ga
+def _variant(cfg):
+    from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
 
-    def run(q, k, v, causal):
-        default = ga.config
-        ga.config = lambda d, c: config
-        try:
-            return ga.gluon_attention_forward(q, k, v, causal=causal)[0]
-        finally:
-            ga.config = default
-
-    return run
+    return lambda q, k, v, causal: gluon_attention_forward(q, k, v, causal=causal, variant=cfg)[0]
 
 
 def bench(impls, head_dims, seqs, variants=False):
@@ -102,14 +97,19 @@ def bench(impls, head_dims, seqs, variants=False):
                         row[name] = dict(ms=ms, tflops=flops(b, h, s, d, causal) / ms * 1e-9)
                     except Exception as exc:  # noqa: BLE001 - a peer may be missing on this machine
                         row[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
-                if variants:
+                if variants:  # every opt-in variant, timed beside the default and cuDNN in this process
+                    from hf_fastpath.kernels import gluon_attention as ga
+
                     want = impls["sdpa_cudnn"](q, k, v, causal).float()
-                    for name, cfg in VARIANTS[d].items():
+                    for name, cfg in ga.variants(d, causal).items():
                         fn = _variant(cfg)
                         err = (fn(q, k, v, causal).float() - want).abs().max().item()
                         ms = do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=50, return_mode="median")
-                        row.setdefault("gluon_variants", {})[name] = dict(
-                            config=cfg, ms=ms, tflops=flops(b, h, s, d, causal) / ms * 1e-9, max_abs_vs_cudnn=err)
+                        x = dict(config=cfg._asdict(), ms=ms, tflops=flops(b, h, s, d, causal) / ms * 1e-9,
+                                 max_abs_vs_cudnn=err)
+                        if "ms" in row["sdpa_cudnn"]:
+                            x["vs_cudnn"] = row["sdpa_cudnn"]["ms"] / ms
+                        row.setdefault("gluon_variants", {})[name] = x
                 if "tflops" in row["gluon"] and "tflops" in row["sdpa_cudnn"]:
                     row["gluon_vs_cudnn"] = row["gluon"]["tflops"] / row["sdpa_cudnn"]["tflops"]
                 rows.append(row)
@@ -125,7 +125,8 @@ def _fmt(r):
     return (f"hd{r['head_dim']:<4} S={r['seq']:<6} {'causal' if r['causal'] else 'full  '} gluon {g('gluon')}  "
             f"cudnn {g('sdpa_cudnn')}  flash {g('sdpa_flash')}  triton {g('triton')}  "
             f"x cuDNN {r.get('gluon_vs_cudnn', float('nan')):.2f}"
-            + "".join(f"  {n} {x['tflops']:6.1f}" for n, x in r.get("gluon_variants", {}).items()))
+            + "".join(f"  {n} {x['tflops']:6.1f} ({x.get('vs_cudnn', float('nan')):.2f}x)"
+                      for n, x in r.get("gluon_variants", {}).items()))
 
 
 def plot(path, png):
@@ -169,20 +170,24 @@ def main():
     ap.add_argument("--json", default=RESULTS)
     ap.add_argument("--head-dims", type=int, nargs="*", default=sorted(HEADS))
     ap.add_argument("--seqs", type=int, nargs="*", default=list(SEQS))
-    ap.add_argument("--variants", action="store_true", help="also time the VARIANTS tile configs")
+    ap.add_argument("--variants", action="store_true",
+                    help="also check and time every opt-in variant of gluon_attention.variants()")
     args = ap.parse_args()
     if args.plot and not torch.cuda.is_available():
         plot(args.json, args.plot)
         return
     import triton
 
+    from hf_fastpath.kernels import gluon_attention as ga
+
     t0 = time.time()
     impls = implementations()
-    errors = check(impls)
+    errors = check(impls, args.variants)
     rows = bench(impls, args.head_dims, args.seqs, args.variants)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", tokens_per_batch=TOKENS,
-                seconds=round(time.time() - t0, 1), timing="triton.testing.do_bench median, warmup 10, rep 50")
+                seconds=round(time.time() - t0, 1), timing="triton.testing.do_bench median, warmup 10, rep 50",
+                config={d: ga.config(d, False)._asdict() for d in args.head_dims})
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, max_rel_error_vs_fp64=errors, rows=rows), f, indent=1)

@@ -1,6 +1,8 @@
-"""Compiles the Gluon Hopper attention kernel for sm_90 without a GPU and prints one JSON line per variant:
-`{"name", "shared", "regs"...}` or `{"name", "error"}`. Run with TRITON_INTERPRET unset or 0 (Gluon has no
-interpreter); `tests/test_gluon_builds.py` starts it in a subprocess."""
+"""Compiles the Gluon Hopper attention kernel for sm_90 without a GPU and prints one JSON line per build (the
+defaults, then every opt-in variant of `gluon_attention.variants`): `{"name", "shared", "spills", ...}` or
+`{"name", "error"}`. Arguments: substrings of the names to build; GLUON_BUILDS_DUMP=dir writes each ttgir and PTX.
+Run with TRITON_INTERPRET unset or 0 (Gluon has no interpreter); `tests/test_gluon_builds.py` starts it in a
+subprocess."""
 
 from __future__ import annotations
 
@@ -22,18 +24,17 @@ def _descriptor_type(dtype, block):
     from triton.runtime.jit import mangle_type
 
     elem = ga.gl.bfloat16 if dtype == torch.bfloat16 else ga.gl.float16
-    base = torch.empty(block[0] * 2, block[1], dtype=dtype)
+    base = torch.empty([2 * n for n in block], dtype=dtype)
     desc = ga.TensorDescriptor(base, list(base.shape), list(base.stride()), block,
                                ga.gl.NVMMASharedLayout.get_default_for(block, elem))
     return mangle_type(desc)
 
 
-def build(head_dim, causal, dtype=torch.bfloat16):
+def build(head_dim, causal, dtype=torch.bfloat16, cfg=None):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = ga._attn_fwd_kernel
-    block_n, stages, pingpong = ga.config(head_dim, causal)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong)
+    cfg = cfg or ga.config(head_dim, causal)
+    fn, constexprs = ga.kernel_args(head_dim, causal, cfg)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for p in fn.params:
@@ -42,7 +43,12 @@ def build(head_dim, causal, dtype=torch.bfloat16):
         elif p.name == "q_desc":
             sig[p.name] = _descriptor_type(dtype, [ga.ROWS_PER_WARPGROUP, head_dim])
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = _descriptor_type(dtype, [block_n, head_dim])
+            sig[p.name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
+        elif p.name == "out_desc":  # None (a constexpr) unless the output goes out by TMA
+            if cfg.tma_store:
+                sig[p.name] = _descriptor_type(dtype, [1, ga.ROWS_PER_WARPGROUP, head_dim])
+            else:
+                sig[p.name], constexprs = "constexpr", dict(constexprs, out_desc=None)
         elif p.name == "out_ptr":
             sig[p.name] = ptr
         elif p.name == "lse_ptr":
@@ -55,22 +61,31 @@ def build(head_dim, causal, dtype=torch.bfloat16):
 
 
 def cases():
+    """(name, head dim, causal, dtype, config): the defaults, then every opt-in variant of `ga.variants`."""
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
-            yield f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16
-    yield "fwd hd128 causal fp16", 128, True, torch.float16
+            yield f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, None
+    yield "fwd hd128 causal fp16", 128, True, torch.float16, None
+    for head_dim in ga.HEAD_DIMS:
+        for causal in (False, True):
+            for variant, cfg in ga.variants(head_dim, causal).items():
+                yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant}", head_dim, causal,
+                       torch.bfloat16, cfg)
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype in cases():
+    for name, head_dim, causal, dtype, cfg in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype)
+            kernel = build(head_dim, causal, dtype, cfg)
             ptx = kernel.asm.get("ptx", "")
+            cfg = cfg or ga.config(head_dim, causal)
+            o_buffer = ga.kernel_args(head_dim, causal, cfg)[1].get("O_BUFFER", False)
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
-                                  setmaxnreg=ptx.count("setmaxnreg"))), flush=True)
+                                  setmaxnreg=ptx.count("setmaxnreg"),
+                                  shared_estimate=ga._shared_bytes(head_dim, cfg, o_buffer))), flush=True)
             if os.environ.get("GLUON_BUILDS_DUMP"):
                 d = os.environ["GLUON_BUILDS_DUMP"]
                 for ext in ("ttgir", "ptx"):

@@ -1,4 +1,5 @@
-"""The Gluon Hopper attention kernel compiles for sm_90 and fits its shared memory, checked without a GPU.
+"""The Gluon Hopper attention kernel (the default and every opt-in variant) compiles for sm_90 and fits its shared
+memory, checked without a GPU.
 
 Gluon has no interpreter, so nothing else in CI compiles it: `gluon_builds.py` builds each variant with Triton's
 own compiler in a subprocess (TRITON_INTERPRET=0), for the Triton installed here.
@@ -30,4 +31,11 @@ def test_gluon_attention_builds_for_sm90():
     too_big = [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES]
     assert not too_big, too_big
     assert not [b for b in builds if b["spills"]], builds
-    assert {"fwd hd64 full bf16", "fwd hd128 causal bf16", "fwd hd128 causal fp16"} <= {b["name"] for b in builds}
+    # the launcher's estimate decides whether O gets a buffer of its own: it must not undercount
+    assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds
+    names = {b["name"] for b in builds}
+    assert {"fwd hd64 full bf16", "fwd hd128 causal bf16", "fwd hd128 causal fp16"} <= names
+    for head_dim in ga.HEAD_DIMS:  # every opt-in variant builds too
+        for causal in (False, True):
+            kind = "causal" if causal else "full"
+            assert {f"fwd hd{head_dim} {kind} bf16 {v}" for v in ga.variants(head_dim, causal)} <= names

@@ -13,11 +13,28 @@ Causal attention is aligned bottom-right (query i sees keys j <= i + Sk - Sq): t
 loaded, and only the diagonal / sequence-end tiles pay for the mask. Rows with no visible key give 0 and lse -inf.
 Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
 are stored. Tensors in, tensors out.
+
+Variants (`Config`; `config()` gives the default, `variants()` the opt-in ones, `gluon_attention_forward(...,
+variant=)` runs one). The default (persistent=False, tma_store=False) is the GPU-verified kernel; with both flags
+off it compiles to the same PTX as before the variants were added. The two flags below were compiled offline for
+sm_90 under Triton 3.6 and 3.9 on 2026-12-02 but have NOT yet run on a GPU: check them (tests/gpu) and measure them
+(`benchmarks/gluon_attention.py --variants`) before making either a default.
+- persistent: about one CTA per SM (`_attn_fwd_persistent_kernel`), each looping over work items t = pid, pid +
+  grid, ... (`_work_item`: causal takes every head's longest tile first). The producer and both consumers walk the
+  same items; the K/V ring position and the ping-pong turn count run on across items, Q's phase flips per item,
+  and a `q_empty` barrier hands Q's buffer back to the producer after an item's last Q.K^T, so the next item's Q
+  and its first STAGES - 1 K/V tiles load under this item's last P.V and epilogue.
+- tma_store: O goes registers -> shared memory -> one TMA store per warpgroup into out viewed [B, Sq, H*D]
+  (TMA clips rows past Sq, so nothing spills into the next sequence). It is staged in Q's buffer (dead by then)
+  unless a persistent CTA has room for a buffer of its own; in Q's buffer the producer must wait for the store.
+  hd128 with 3 stages has no room: `persistent_tma_store_s2` trades a K/V stage for it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,14 +42,15 @@ import triton
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAS_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
 
-__all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "config"]
+__all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "Config", "config", "variants"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -43,33 +61,128 @@ MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers; setmaxnreg t
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 
 
-def config(head_dim: int, causal: bool) -> tuple[int, int, bool]:
-    """(BLOCK_N, STAGES, PINGPONG) per head dim. Measured on the H200 (benchmarks/results/gluon_attention.json):
-    hd128 with 3 K/V stages (229.7 KB of shared memory, just under the 227 KB limit) is 9-26% faster than 2;
-    hd64 BLOCK_N 64 with 6 stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%. `causal` is unused yet."""
-    return {64: (128, 4, True), 128: (128, 3, True)}[head_dim]
+SHARED_LIMIT = 232448  # bytes of shared memory one CTA may opt in to on sm_90 (227 KB)
+
+
+class Config(NamedTuple):
+    """One kernel configuration: key tile, K/V ring depth, ping-pong, and two opt-in variants (see the module
+    docstring): a persistent grid, and the output stored by TMA."""
+    block_n: int
+    stages: int
+    pingpong: bool
+    persistent: bool = False
+    tma_store: bool = False
+
+
+def config(head_dim: int, causal: bool) -> Config:
+    """The default per head dim. Measured on the H200 (benchmarks/results/gluon_attention.json): hd128 with 3 K/V
+    stages (229.7 KB of shared memory, just under the 227 KB limit) is 9-26% faster than 2; hd64 BLOCK_N 64 with 6
+    stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%. `causal` is unused yet."""
+    return {64: Config(128, 4, True), 128: Config(128, 3, True)}[head_dim]
+
+
+def variants(head_dim: int, causal: bool) -> dict[str, Config]:
+    """The opt-in variants to measure beside the default (GPU tests, `benchmarks/gluon_attention.py --variants`,
+    the offline builds). None is measured yet."""
+    base = config(head_dim, causal)
+    found = {"persistent": base._replace(persistent=True), "tma_store": base._replace(tma_store=True),
+             "persistent_tma_store": base._replace(persistent=True, tma_store=True)}
+    if _stages_o_in_q(head_dim, base._replace(persistent=True, tma_store=True)):
+        # O must wait in Q's buffer, which delays the next item's Q: one K/V stage less buys O a buffer of its own
+        found["persistent_tma_store_s2"] = base._replace(stages=base.stages - 1, persistent=True, tma_store=True)
+    return found
+
+
+def _shared_bytes(head_dim: int, cfg: Config, o_buffer: bool) -> int:
+    """Shared memory of the 16-bit tiles (Q, the K/V ring, O's staging buffer), plus 1 KB for barriers and
+    layout conversions (the compiled kernels use ~370 bytes of it)."""
+    tiles = BLOCK_M * head_dim * (2 if o_buffer else 1) + 2 * cfg.stages * cfg.block_n * head_dim
+    return 2 * tiles + 1024
+
+
+def _stages_o_in_q(head_dim: int, cfg: Config) -> bool:
+    """Whether TMA_STORE stages O in Q's buffer: always with one CTA per tile (Q is dead by then); persistent
+    only when a buffer of its own does not fit (else the next item's Q could not load under this one's store)."""
+    return not cfg.persistent or _shared_bytes(head_dim, cfg, True) > SHARED_LIMIT
+
+
+def kernel_args(head_dim: int, causal: bool, cfg: Config) -> tuple:
+    """(kernel, its constexprs) for one configuration; the launcher and tests/gluon_builds.py share it."""
+    meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
+                PINGPONG=cfg.pingpong, TMA_STORE=cfg.tma_store)
+    if not cfg.persistent:
+        return _attn_fwd_kernel, meta
+    meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
+    return _attn_fwd_persistent_kernel, meta
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 if HAS_GLUON:
-    # Triton 3.6 calls the TMA load `async_copy_global_to_shared`; 3.7+ renamed it `async_load` (the old name raises)
+    # Triton 3.6 calls the TMA copies `async_copy_global_to_shared` / `async_copy_shared_to_global`; 3.7+ renamed
+    # them `async_load` / `async_store` (the old names raise)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.6's name; 3.9 calls it `barrier`
     _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                  q_row, q_col, kv_row, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _key_tiles(m0, seq_q, seq_k, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key tiles of the query tile at row m0 -> (tiles to visit, tiles every row sees whole)."""
+        diag = seq_k - seq_q
+        if CAUSAL:
+            key_end = gl.minimum(seq_k, m0 + TILE_M + diag)  # keys past it are hidden from every row of the tile
+            full_end = gl.minimum(seq_k, m0 + 1 + diag)  # keys before it are visible to every row
+        else:
+            key_end = seq_k
+            full_end = seq_k
+        n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
+        n_full = gl.maximum(full_end, 0) // BLOCK_N
+        return n_tiles, n_full
+
+    @gluon.jit
+    def _work_item(t, n_m_tiles, n_bh, CAUSAL: gl.constexpr):
+        """Persistent schedule: work item t -> (query tile, batch x head). Causal: every head's longest (last) tile
+        before any shorter one, so the short tiles fill the tail; full: a head's tiles are consecutive, so CTAs
+        running at the same time share K/V in L2 (the order of the one-CTA-per-tile grid)."""
+        if CAUSAL:
+            tile = n_m_tiles - 1 - t // n_bh
+            bh = t % n_bh
+        else:
+            tile = t % n_m_tiles
+            bh = t // n_m_tiles
+        return tile, bh
+
+    @gluon.jit
+    def _load_q(q_desc, q_smem, q_ready, q_row, q_col):
         rows: gl.constexpr = q_desc.block_type.shape[0]
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
         _tma_load(q_desc, [q_row + rows, q_col], q_ready, q_smem.index(1))
-        for j in range(n_tiles):
-            slot = j % STAGES
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, first, last, kv0,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """K and V tiles first..last-1 into the ring; kv0 = how many tiles went through the ring before tile 0."""
+        for j in range(first, last):
+            c = kv0 + j
+            slot = c % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
-            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.wait(kv_empty.index(slot), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             _tma_load(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             _tma_load(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                  q_row, q_col, kv_row, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        _load_q(q_desc, q_smem, q_ready, q_row, q_col)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, 0, n_tiles, 0, BLOCK_N,
+                 STAGES)
 
     @gluon.jit
     def _take_turn(turns, t, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
@@ -105,17 +218,19 @@ if HAS_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _attend(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i, qk_scale, rows, seq_k,
-                diag, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                MASKED: gl.constexpr, CAUSAL: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
-        """Key tile j: S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} in flight together, softmax of S_j under the P.V."""
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    def _attend(j, c, t, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i, qk_scale, rows,
+                seq_k, diag, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WARPGROUP: gl.constexpr,
+                PINGPONG: gl.constexpr):
+        """Key tile j (ring position c, ping-pong turn t): S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} in flight
+        together, softmax of S_j under the P.V."""
+        slot = c % STAGES
+        prev = (c - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
         ROWS: gl.constexpr = q.shape[0]
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        _take_turn(turns, j, WARPGROUP, PINGPONG)
+        mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+        _take_turn(turns, t, WARPGROUP, PINGPONG)
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         _pass_turn(turns, WARPGROUP, PINGPONG)
@@ -129,11 +244,31 @@ if HAS_GLUON:
         return o, p, m_i, l_i
 
     @gluon.jit
+    def _store_o_by_tma(o, out_desc, buf, b, row, col):
+        """O -> shared memory -> TMA store into out viewed [B, Sq, H * D]: rows past Sq are clipped by TMA, not
+        written into the next sequence. Waits first for this warpgroup's previous store to leave `buf`."""
+        tma.store_wait(0)
+        buf.store(o.to(out_desc.dtype))
+        fence_async_shared()
+        _tma_store(out_desc, [b, row, col], buf.reshape(out_desc.block_type.shape))
+
+    @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr,
                   m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale,
                   WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, out_desc=None, o_smem=None, q_empty=None,
+                  q_phase=0, kv0=0, turn0=0, TMA_STORE: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
+                  O_BUFFER: gl.constexpr = False):
+        """One warpgroup's 64 rows of one query tile. kv0 / turn0: K/V tiles / ping-pong turns this CTA went
+        through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
+        goes back to the producer through q_empty: right after the last Q.K^T, so the next tile's Q loads under
+        this one's last P.V and store, or, when TMA_STORE stages O in Q's buffer (o_smem is Q's unless O_BUFFER),
+        only once TMA has read O."""
         ROWS: gl.constexpr = q_smem.type.shape[1]
+        O_IN_Q: gl.constexpr = TMA_STORE and not O_BUFFER
+        RELEASE_Q_EARLY: gl.constexpr = PERSISTENT and not O_IN_Q
+        # wait for Q even without a key tile when O will overwrite it: else Q's TMA load could land on top of O
+        WAIT_Q_ALWAYS: gl.constexpr = PERSISTENT or O_IN_Q
         # the wgmma accumulators: S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM]; P is O's register A operand
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -147,33 +282,41 @@ if HAS_GLUON:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        if WAIT_Q_ALWAYS:
+            mbarrier.wait(q_ready, q_phase)
         if n_tiles > 0:
-            mbarrier.wait(q_ready, 0)
+            if not WAIT_Q_ALWAYS:
+                mbarrier.wait(q_ready, 0)
             # tile 0 alone (no P.V to overlap with yet); masked, as it may be the only tile
-            mbarrier.wait(k_ready.index(0), 0)
-            _take_turn(turns, 0, WARPGROUP, PINGPONG)
-            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
+            mbarrier.wait(k_ready.index(kv0 % STAGES), (kv0 // STAGES) & 1)
+            _take_turn(turns, turn0, WARPGROUP, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(kv0 % STAGES).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             _pass_turn(turns, WARPGROUP, PINGPONG)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, 0, seq_k, diag, s_layout, BLOCK_N,
                                                  True, CAUSAL)
             p = gl.convert_layout(p.to(q.dtype), p_layout)
             for j in range(1, n_full):  # tiles every row sees whole
-                o, p, m_i, l_i = _attend(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i,
-                                         qk_scale, rows, seq_k, diag, s_layout, o_layout, BLOCK_N, STAGES, False,
-                                         CAUSAL, WARPGROUP, PINGPONG)
+                o, p, m_i, l_i = _attend(j, kv0 + j, turn0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, s_layout, o_layout,
+                                         BLOCK_N, STAGES, False, CAUSAL, WARPGROUP, PINGPONG)
             for j in range(gl.maximum(n_full, 1), n_tiles):  # the diagonal and the sequence end
-                o, p, m_i, l_i = _attend(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i,
-                                         qk_scale, rows, seq_k, diag, s_layout, o_layout, BLOCK_N, STAGES, True,
-                                         CAUSAL, WARPGROUP, PINGPONG)
-            last = (n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-            _take_turn(turns, n_tiles, WARPGROUP, PINGPONG)
+                o, p, m_i, l_i = _attend(j, kv0 + j, turn0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, s_layout, o_layout,
+                                         BLOCK_N, STAGES, True, CAUSAL, WARPGROUP, PINGPONG)
+            if RELEASE_Q_EARLY:  # every Q.K^T has completed
+                mbarrier.arrive(q_empty, count=1)
+            last = (kv0 + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((kv0 + n_tiles - 1) // STAGES) & 1)
+            _take_turn(turns, turn0 + n_tiles, WARPGROUP, PINGPONG)
             o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
             _pass_turn(turns, WARPGROUP, PINGPONG)
             o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
             mbarrier.arrive(kv_empty.index(last), count=1)
+        else:
+            if RELEASE_Q_EARLY:
+                mbarrier.arrive(q_empty, count=1)
 
         empty = l_i == 0.0  # no visible key (causal with Sq > Sk): out 0, lse -inf
         inv_l = 1.0 / gl.where(empty, 1.0, l_i)
@@ -181,39 +324,78 @@ if HAS_GLUON:
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         row_ok = rows < seq_q
         gl.store(lse_ptr + (b * num_heads + h).to(gl.int64) * seq_q + rows, lse, mask=row_ok)
-
-        o_rows = m0 + WARPGROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        row_off = ((b * seq_q + o_rows).to(gl.int64) * num_heads + h) * HEAD_DIM
-        ptrs = out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
-        gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_rows < seq_q, 1))
+        if TMA_STORE:
+            _store_o_by_tma(o, out_desc, o_smem.index(WARPGROUP), b, m0 + WARPGROUP * ROWS, h * HEAD_DIM)
+            if O_IN_Q:  # wait until TMA has read O (before the CTA exits, or before Q's buffer goes back)
+                tma.store_wait(0)
+                if PERSISTENT:
+                    _barrier()  # the waiting thread issued the store; the releasing one may differ
+                    mbarrier.arrive(q_empty, count=1)
+        else:
+            o_rows = m0 + WARPGROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            row_off = ((b * seq_q + o_rows).to(gl.int64) * num_heads + h) * HEAD_DIM
+            ptrs = out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
+            gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_rows < seq_q, 1))
 
     @gluon.jit
-    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k, num_heads, group,
-                         q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
-                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        ROWS: gl.constexpr = q_desc.block_type.shape[0]
-        TILE_M: gl.constexpr = 2 * ROWS
-        pid_m = gl.program_id(0)
-        if CAUSAL:  # the longest rows first, so the short ones fill the tail of the grid
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        bh = gl.program_id(1)
-        b = bh // num_heads
-        h = bh % num_heads
-        hk = h // group
-        m0 = pid_m * TILE_M
+    def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             kv_empty, seq_q, seq_k, num_heads, group, n_bh, n_m_tiles, q_row_b, q_row_h, q_col_h,
+                             kv_row_b, kv_row_h, kv_col_h, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             CAUSAL: gl.constexpr):
+        """Loads for the work items of this CTA, in the consumers' order; the K/V ring position runs on across
+        items, so the next item's tiles stream in while the consumers finish the last one."""
+        TILE_M: gl.constexpr = 2 * q_desc.block_type.shape[0]
+        kv0 = 0
+        item = 0
+        for t in range(gl.program_id(0), n_m_tiles * n_bh, gl.num_programs(0)):
+            tile, bh = _work_item(t, n_m_tiles, n_bh, CAUSAL)
+            b = bh // num_heads
+            h = bh % num_heads
+            hk = h // group
+            m0 = tile * TILE_M
+            n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+            kv_row = b * kv_row_b + hk * kv_row_h
+            # the ring slots the last item has already freed (all but its last tile's) before Q, which is free
+            # only after the last item's final Q.K^T (or its store, with O staged in Q's buffer); the rest after Q
+            n_early = gl.minimum(n_tiles, STAGES - 1)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, hk * kv_col_h, 0, n_early,
+                     kv0, BLOCK_N, STAGES)
+            mbarrier.wait(q_empty, (item & 1) ^ 1)  # both consumers are done with the previous item's Q
+            _load_q(q_desc, q_smem, q_ready, b * q_row_b + h * q_row_h + m0, h * q_col_h)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, hk * kv_col_h, n_early,
+                     n_tiles, kv0, BLOCK_N, STAGES)
+            kv0 += n_tiles
+            item += 1
 
-        diag = seq_k - seq_q
-        if CAUSAL:
-            key_end = gl.minimum(seq_k, m0 + TILE_M + diag)  # keys past it are hidden from every row of the tile
-            full_end = gl.minimum(seq_k, m0 + 1 + diag)  # keys before it are visible to every row
-        else:
-            key_end = seq_k
-            full_end = seq_k
-        n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
-        n_full = gl.maximum(full_end, 0) // BLOCK_N
+    @gluon.jit
+    def _persistent_consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns, out_ptr,
+                             out_desc, o_smem, lse_ptr, seq_q, seq_k, num_heads, n_bh, n_m_tiles, qk_scale,
+                             WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                             TMA_STORE: gl.constexpr, O_BUFFER: gl.constexpr):
+        TILE_M: gl.constexpr = 2 * q_smem.type.shape[1]
+        kv0 = 0
+        turn0 = 0
+        item = 0
+        for t in range(gl.program_id(0), n_m_tiles * n_bh, gl.num_programs(0)):
+            tile, bh = _work_item(t, n_m_tiles, n_bh, CAUSAL)
+            m0 = tile * TILE_M
+            n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+            _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
+                      bh // num_heads, bh % num_heads, seq_q, seq_k, num_heads, seq_k - seq_q, n_tiles, n_full,
+                      qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, o_smem, q_empty,
+                      item & 1, kv0, turn0, TMA_STORE, True, O_BUFFER)
+            kv0 += n_tiles
+            if n_tiles > 0:  # issue points per item: one per key tile and the last P.V
+                turn0 += n_tiles + 1
+            item += 1
+        if TMA_STORE:
+            tma.store_wait(0)
 
+    @gluon.jit
+    def _allocate(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
+        """Shared memory and mbarriers of one CTA: Q (two 64-row halves), the K/V ring, and its barriers."""
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -229,18 +411,70 @@ if HAS_GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+        return q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns
 
+    @gluon.jit
+    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, seq_q, seq_k, num_heads, group,
+                         q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
+        """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then)."""
+        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        TILE_M: gl.constexpr = 2 * ROWS
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # the longest rows first, so the short ones fill the tail of the grid
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // num_heads
+        h = bh % num_heads
+        hk = h // group
+        m0 = pid_m * TILE_M
+        n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+        diag = seq_k - seq_q
+
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = _allocate(q_desc, k_desc, v_desc,
+                                                                                       STAGES)
         q_row = b * q_row_b + h * q_row_h + m0
         kv_row = b * kv_row_b + hk * kv_row_h
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                          seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG)),
+                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE)),
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                          seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG)),
+                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          q_row, h * q_col_h, kv_row, hk * kv_col_h, n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], _REGS)
+
+    @gluon.jit
+    def _attn_fwd_persistent_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, seq_q, seq_k, num_heads,
+                                    group, n_bh, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
+                                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                    CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+                                    O_BUFFER: gl.constexpr):
+        """A grid of about one CTA per SM; each loops over the work items t = pid, pid + grid, ... (see
+        `_work_item`). TMA_STORE stages O in a buffer of its own with O_BUFFER (else in Q's, released later)."""
+        TILE_M: gl.constexpr = 2 * q_desc.block_type.shape[0]
+        n_m_tiles = gl.cdiv(seq_q, TILE_M)
+        q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = _allocate(q_desc, k_desc, v_desc,
+                                                                                       STAGES)
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=2)  # both consumers release Q
+        if O_BUFFER:
+            o_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        else:
+            o_smem = q_smem
+        gl.warp_specialize([
+            (_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
+                                    out_ptr, out_desc, o_smem, lse_ptr, seq_q, seq_k, num_heads, n_bh, n_m_tiles,
+                                    qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, TMA_STORE, O_BUFFER)),
+            (_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
+                                    out_ptr, out_desc, o_smem, lse_ptr, seq_q, seq_k, num_heads, n_bh, n_m_tiles,
+                                    qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, TMA_STORE, O_BUFFER)),
+            (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                    v_ready, kv_empty, seq_q, seq_k, num_heads, group, n_bh, n_m_tiles, q_row_b,
+                                    q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], _REGS)
 
 
@@ -290,9 +524,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                            softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            softmax_scale: float | None = None,
+                            variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q.k^T * scale).v -> (out like q, lse fp32 [B, Hq, Sq] in natural log) for q [B, Sq, Hq, D] and
-    k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn."""
+    k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn. `variant`
+    replaces `config(D, causal)` (see `variants`)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     _check(q, k, v, softmax_scale)
@@ -305,7 +541,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if Sk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
 
-    block_n, stages, pingpong = config(D, bool(causal))
+    cfg = variant if variant is not None else config(D, bool(causal))
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q2, (q_row_b, q_row_h, q_col_h) = _row_view(q)
     k2, (kv_row_b, kv_row_h, kv_col_h) = _row_view(k)
@@ -313,17 +549,29 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if v_map != (kv_row_b, kv_row_h, kv_col_h):  # k and v share one address map in the kernel
         k2, (kv_row_b, kv_row_h, kv_col_h) = _row_view(k.contiguous())
         v2, _ = _row_view(v.contiguous())
-    q_block, kv_block = [ROWS_PER_WARPGROUP, D], [block_n, D]
+    q_block, kv_block = [ROWS_PER_WARPGROUP, D], [cfg.block_n, D]
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), q_block,
                               gl.NVMMASharedLayout.get_default_for(q_block, elem))
     kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, elem)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kv_block, kv_layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
+    out_desc = _out_descriptor(out, elem) if cfg.tma_store else None
 
-    grid = (triton.cdiv(Sq, BLOCK_M), B * Hq)
-    _attn_fwd_kernel[grid](q_desc, k_desc, v_desc, out, lse, Sq, Sk, Hq, Hq // Hkv,
-                           q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, softmax_scale * LOG2E,
-                           HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal),
-                           PINGPONG=pingpong,
-                           num_warps=4, maxnreg=MAXNREG)
+    kernel, meta = kernel_args(D, bool(causal), cfg)
+    n_m_tiles = triton.cdiv(Sq, BLOCK_M)
+    head_args = (Sq, Sk, Hq, Hq // Hkv) + ((B * Hq, ) if cfg.persistent else ())
+    # persistent: one CTA per SM at most (one fits per SM), each loops over work items
+    grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
+    kernel[grid](q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
+                 kv_row_b, kv_row_h, kv_col_h, softmax_scale * LOG2E, **meta, num_warps=4, maxnreg=MAXNREG)
     return out, lse
+
+
+def _out_descriptor(out: torch.Tensor, elem) -> "TensorDescriptor":
+    """out [B, Sq, H, D] as [B, Sq, H*D] in [1, 64, D] boxes: TMA clips a box at Sq, so a tile's rows past the
+    sequence end are not written into the next sequence."""
+    B, Sq, H, D = out.shape
+    out3 = out.view(B, Sq, H * D)
+    block = [1, ROWS_PER_WARPGROUP, D]
+    return TensorDescriptor(out3, list(out3.shape), list(out3.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, elem))

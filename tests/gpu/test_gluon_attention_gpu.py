@@ -1,5 +1,7 @@
 """GPU checks of the Gluon Hopper attention forward against float64 (run on an H200:
-`TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_gpu.py`). Skipped without an sm_90 GPU.
+`TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_gpu.py`). Skipped without an sm_90 GPU. Every check runs
+for the default configuration and for each opt-in variant of `gluon_attention.variants` (`-k default` for the
+default alone, `-k persistent` etc. for one variant).
 
 With HF_FASTPATH_GPU_REPORT=path, every case's errors go to that JSON file as well."""
 
@@ -41,8 +43,13 @@ def _inputs(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, bhsd=False, seed=0):
     return make(sq, hq), make(sk, hkv), make(sk, hkv)
 
 
-def _check(name, q, k, v, causal, tol=1e-2):
-    out, lse = ga.gluon_attention_forward(q, k, v, causal=causal)
+def _cfg(variant, d, causal):
+    """The configuration a test id names: "default" or a key of `ga.variants`."""
+    return None if variant == "default" else ga.variants(d, causal)[variant]
+
+
+def _check(name, q, k, v, causal, tol=1e-2, variant="default"):
+    out, lse = ga.gluon_attention_forward(q, k, v, causal=causal, variant=_cfg(variant, q.shape[-1], causal))
     ref_out, ref_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
@@ -55,7 +62,7 @@ def _check(name, q, k, v, causal, tol=1e-2):
     if empty.any():  # rows that see no key: exactly zero output
         rows = empty.transpose(1, 2)  # [B, Sq, H]
         assert (out[rows] == 0).all()
-    REPORT.append(dict(case=name, out_rel=rel, lse_abs=lse_err))
+    REPORT.append(dict(case=name, variant=variant, out_rel=rel, lse_abs=lse_err))
     assert rel < tol, (name, rel)
     assert lse_err < 2e-3, (name, lse_err)
 
@@ -66,32 +73,74 @@ SHAPES = [  # b, sq, sk, hq, hkv
 ]
 
 
+# every variant name of either head dim (hd128 has one more); a test skips a name its head dim lacks
+VARIANTS = ["default"] + sorted({n for d in ga.HEAD_DIMS for c in (False, True) for n in ga.variants(d, c)}
+                                if ga.HAS_GLUON else [])
+
+
+def _skip_missing(variant, d, causal):
+    if variant != "default" and variant not in ga.variants(d, causal):
+        pytest.skip(f"no variant {variant} for hd{d}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_float64_reference(shape, causal, d):
+def test_matches_float64_reference(shape, causal, d, variant):
+    _skip_missing(variant, d, causal)
     b, sq, sk, hq, hkv = shape
-    _check(f"{shape} causal={causal} d={d}", *_inputs(b, sq, sk, hq, hkv, d), causal)
+    _check(f"{shape} causal={causal} d={d}", *_inputs(b, sq, sk, hq, hkv, d), causal, variant=variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bhsd", [False, True])
-def test_dtypes_and_layouts(dtype, bhsd):
-    _check(f"dtype={dtype} bhsd={bhsd}", *_inputs(2, 300, 333, 8, 2, 128, dtype=dtype, bhsd=bhsd), True)
+def test_dtypes_and_layouts(dtype, bhsd, variant):
+    _skip_missing(variant, 128, True)
+    _check(f"dtype={dtype} bhsd={bhsd}", *_inputs(2, 300, 333, 8, 2, 128, dtype=dtype, bhsd=bhsd), True,
+           variant=variant)
 
 
-def test_fully_masked_rows_are_zero_with_lse_minus_inf():
-    # causal with Sq > Sk: the first Sq - Sk queries see no key
-    _check("sq>sk causal", *_inputs(2, 700, 130, 4, 2, 64), True)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fully_masked_rows_are_zero_with_lse_minus_inf(variant):
+    _skip_missing(variant, 64, True)
+    # causal with Sq > Sk: the first Sq - Sk queries see no key (whole query tiles without a key tile among them)
+    _check("sq>sk causal", *_inputs(2, 700, 130, 4, 2, 64), True, variant=variant)
 
 
-def test_repeat_runs_are_bitwise_equal():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_many_work_items_per_cta(variant):
+    """More work items than SMs, so a persistent CTA runs several (the ring and Q phases carry across items);
+    causal with Sq > Sk mixes items without key tiles among them."""
+    _skip_missing(variant, 64, True)
+    _check("many items full", *_inputs(4, 1000, 1000, 40, 8, 64, seed=1), False, variant=variant)
+    _check("many items causal sq>sk", *_inputs(3, 1500, 700, 48, 16, 64, seed=2), True, variant=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_repeat_runs_are_bitwise_equal(variant):
     q, k, v = _inputs(2, 2049, 2049, 16, 4, 128, seed=3)
     for causal in (False, True):
-        first = ga.gluon_attention_forward(q, k, v, causal=causal)
+        _skip_missing(variant, 128, causal)
+        cfg = _cfg(variant, 128, causal)
+        first = ga.gluon_attention_forward(q, k, v, causal=causal, variant=cfg)
         for _ in range(4):
-            again = ga.gluon_attention_forward(q, k, v, causal=causal)
+            again = ga.gluon_attention_forward(q, k, v, causal=causal, variant=cfg)
             assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "default"])
+def test_variant_matches_the_default_bitwise(variant):
+    """A variant changes scheduling and the store only, not arithmetic: its outputs equal the default's (a
+    variant with fewer K/V stages too: the key-tile order and the math are the same)."""
+    q, k, v = _inputs(2, 1111, 1234, 16, 4, 128, seed=4)
+    for causal in (False, True):
+        _skip_missing(variant, 128, causal)
+        want = ga.gluon_attention_forward(q, k, v, causal=causal)
+        got = ga.gluon_attention_forward(q, k, v, causal=causal, variant=_cfg(variant, 128, causal))
+        diff = ((want[0].float() - got[0].float()).abs().max().item(), (want[1] - got[1]).abs().max().item())
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (variant, causal, diff)
 
 
 def test_rejects_unsupported_inputs_with_a_clear_error():
