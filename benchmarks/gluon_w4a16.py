@@ -1,0 +1,193 @@
+"""The Gluon W4A16 GEMM (`kernels/gluon_w4a16.py`) beside cuBLAS bf16 (x @ W, W dequantized once outside the
+timing) and our plain-Triton `w4a16_matmul` (fused split-K for M <= 192, dequantize + cuBLAS above), in one
+process: a correctness check against float64 first, then CUDA-graph times (`triton.testing.do_bench_cudagraph`,
+median) for M in 1...4096 on Llama-3 shapes, group 128, bf16. Weight copies cycle past L2 (>= 64 MB per set) so
+that small M reads its weights from HBM, as in decoding.
+
+    python benchmarks/gluon_w4a16.py                 # GPU: writes benchmarks/results/gluon_w4a16.json (+ .png)
+    python benchmarks/gluon_w4a16.py --quick         # fewer shapes / M (a first look)
+    python benchmarks/gluon_w4a16.py --plot F.json   # no GPU needed: F.json -> F.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gluon_w4a16.json")
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # (K, N): Llama-3 8B / 70B linears
+MS = (1, 16, 64, 256, 1024, 4096)
+GROUP = 128
+L2_BYTES = 64 << 20
+
+
+def _log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _layer(k, n, dtype, gen):
+    from hf_fastpath.kernels.w4a16_layout import w4a16_pack
+
+    codes = torch.randint(0, 16, (k, n), device="cuda", generator=gen)
+    g = k // GROUP
+    scales = (torch.rand(g, n, device="cuda", generator=gen) * 0.05 + 0.005).to(dtype)
+    zeros = torch.randint(0, 16, (g, n), device="cuda", generator=gen).to(dtype)
+    return codes, w4a16_pack(codes), scales, zeros
+
+
+def check(gen):
+    """Max error / max |y| against float64, Gluon and the Triton kernel, on a few shapes (odd N included)."""
+    from hf_fastpath.kernels.gluon_w4a16 import gluon_w4a16_matmul
+    from hf_fastpath.kernels.w4a16 import w4a16_matmul
+
+    out = []
+    for k, n in ((4096, 4096), (512, 1001), (14336, 4096)):
+        codes, qw, s, z = _layer(k, n, torch.bfloat16, gen)
+        w64 = s.double().repeat_interleave(GROUP, 0) * (codes.double() - z.double().repeat_interleave(GROUP, 0))
+        for m in (1, 100, 1000):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = x.double() @ w64
+            scale = ref.abs().max().item()
+            row = dict(K=k, N=n, M=m)
+            plain = functools.partial(gluon_w4a16_matmul, unpack="plain")
+            for name, fn in (("gluon", gluon_w4a16_matmul), ("gluon_plain", plain), ("triton", w4a16_matmul)):
+                try:
+                    y = fn(x, qw, s, z, GROUP)
+                    row[f"{name}_rel_err"] = (y.double() - ref).abs().max().item() / scale
+                except Exception as exc:  # noqa: BLE001 - recorded, the timing goes on
+                    row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            out.append(row)
+            _log("check", row)
+    return out
+
+
+def _time(fn):
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3  # us
+
+
+def _cycle(call, items):
+    """A no-argument call that takes the next of `items` each time (graph replays cycle the weight copies)."""
+    state = {"i": 0}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % len(items)
+        return call(items[state["i"]])
+    return fn
+
+
+def bench(shapes, ms, gen):
+    from hf_fastpath.kernels.gluon_w4a16 import gluon_w4a16_matmul
+    from hf_fastpath.kernels.w4a16 import w4a16_dequantize, w4a16_matmul
+
+    rows = []
+    for k, n in shapes:
+        copies = max(1, -(-L2_BYTES // (k * n // 2)))  # packed-weight sets to cycle past L2
+        layers = [_layer(k, n, torch.bfloat16, gen)[1:] for _ in range(copies)]
+        dense = [w4a16_dequantize(qw, s, z, GROUP) for qw, s, z in layers[:max(1, -(-L2_BYTES // (k * n * 2)))]]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            row = dict(K=k, N=n, M=m)
+            cases = {
+                "cublas_us": _cycle(lambda w, x=x: x @ w, dense),
+                "triton_us": _cycle(lambda L, x=x: w4a16_matmul(x, *L, GROUP), layers),
+                "gluon_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP), layers),
+                "gluon_plain_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, unpack="plain"), layers),
+            }
+            for key, fn in cases.items():
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    row[key] = _time(fn)
+                except Exception as exc:  # noqa: BLE001 - recorded per case
+                    row[key.replace("_us", "_error")] = f"{type(exc).__name__}: {exc}"[:500]
+            if "gluon_us" in row and "cublas_us" in row:
+                row["gluon_vs_cublas"] = row["cublas_us"] / row["gluon_us"]
+            if "gluon_us" in row and "triton_us" in row:
+                row["gluon_vs_triton"] = row["triton_us"] / row["gluon_us"]
+            if "triton_us" in row and "cublas_us" in row:
+                row["triton_vs_cublas"] = row["cublas_us"] / row["triton_us"]
+            if "gluon_plain_us" in row and "cublas_us" in row:
+                row["gluon_plain_vs_cublas"] = row["cublas_us"] / row["gluon_plain_us"]
+            row["gluon_tflops"] = 2 * m * k * n / row["gluon_us"] / 1e6 if "gluon_us" in row else None
+            rows.append(row)
+            _log(row)
+        del layers, dense
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(json_path, png_path=None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    png_path = png_path or os.path.splitext(json_path)[0] + ".png"
+    with open(json_path) as f:
+        res = json.load(f)
+    shapes = sorted({(r["K"], r["N"]) for r in res["rows"]}, key=lambda s: s[0] * s[1])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 4), sharey=True, squeeze=False)
+    for ax, (k, n) in zip(axes[0], shapes):
+        rows = [r for r in res["rows"] if (r["K"], r["N"]) == (k, n)]
+        for key, style, label in (("gluon_vs_cublas", "o-", "Gluon W4A16"),
+                                  ("gluon_plain_vs_cublas", "x:", "Gluon W4A16, fp32 unpack"),
+                                  ("triton_vs_cublas", "s--", "Triton W4A16 (w4a16_matmul)")):
+            pts = [(r["M"], r[key]) for r in rows if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"K={k} N={n}")
+        ax.set_xlabel("M (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("speed-up over cuBLAS bf16 (x)")
+    axes[0][0].legend(fontsize=8)
+    meta = res.get("meta", {})
+    fig.suptitle(f"W4A16 g{meta.get('group_size')}, {meta.get('gpu')}, torch {meta.get('torch')}, "
+                 f"triton {meta.get('triton')} (CUDA graphs)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    return png_path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plot", metavar="JSON", help="make a PNG from a results file (no GPU needed)")
+    p.add_argument("--json", default=RESULTS)
+    p.add_argument("--quick", action="store_true", help="two shapes, M = 1, 64, 1024")
+    args = p.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return
+    import triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                         date=datetime.date.today().isoformat(), group_size=GROUP, dtype="bfloat16",
+                         timing="triton.testing.do_bench_cudagraph, median, weights cycled past L2",
+                         note="cublas: x @ W with W dequantized to bf16 outside the timing; triton: w4a16_matmul "
+                              "(fused split-K M <= 192, dequantize + cuBLAS above); gluon: gluon_w4a16_matmul "
+                              "(PTX pair unpack), gluon_plain: its fp32 unpack"))
+    res["check"] = check(gen)
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    ms = (1, 64, 1024) if args.quick else MS
+    res["rows"] = bench(shapes, ms, gen)
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(res, f, indent=1)
+    _log("wrote", args.json, "and", plot(args.json))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""W4A16 mixed-input GEMM for Hopper (sm_90) in Gluon, Machete style ("swap AB", register-A wgmma, warp
+specialization). Status: compiled offline for sm_90; not yet run on a GPU (2026-12-02). Not wired into any dispatch.
+
+Same semantics and weight layout as `kernels.w4a16.w4a16_matmul` (layout: `kernels.w4a16_layout`): qweight int32
+[K // 8, N] K-tiled and tile-major, scales / zeros [K // gs, N] in x's dtype, W[k, n] = s * (code - z), y = x @ W.
+
+Why this shape (plain Triton cannot overlap the dequantization with the MMA: docs/w4a16.md, negative results):
+- The kernel computes y^T[n, m] = sum_k W^T[n, k] x^T[k, m]: the dequantized weights are wgmma's *register* A
+  operand (64 rows of N per warpgroup) and x^T is the shared-memory B operand (x's [BLOCK_M, 128] tile, loaded by
+  TMA, read through `.permute((1, 0))`), so M sits in wgmma's N dimension (64 or 128 here).
+- One CTA owns 128 columns of N (two consumer warpgroups x 64) and BLOCK_M rows of M. A 1-warp producer
+  (`gl.warp_specialize`, few registers) TMA-loads, per K tile of 128 inputs, x's tile and the weight tile's
+  [128, 16] packed words (the tile-major layout makes them one 2-D box of a [K / 128 * N, 16] view) into a ring
+  of STAGES shared-memory slots (mbarriers "ready" / "empty" per slot).
+- Each consumer, per K tile: loads its [64, 16] words from shared memory straight into the thread order of the
+  A operand (nibble plane j of word column i is input 16 j + i, so the 8 planes side by side are the K = 128
+  operand: a reshape of [64, 8, 16] that moves no data), dequantizes and issues the async wgmma; then waits with
+  one wgmma group outstanding, so tile i + 1 is dequantized while the wgmma of tile i runs. Dequantization
+  (`unpack`): "ptx" (default) is kernels/w4a16.py's GPU-verified PTX on 16-bit pairs (PRMT + LOP3 magic numbers
+  bias + q, then (q - z) exact and one rounding of * s, ~1.6 SASS instructions a weight); "plain" does (q - z) * s
+  in fp32 (q via the 2^23 magic number, ~6 a weight, any float zero point). For integer zero points both round
+  s * (q - z) once to 16 bits: bitwise equal A operands (the GPU test checks it).
+- Two register sets for A, alternating between even and odd K tiles and carried through the loop: the registers
+  a wgmma reads are never rewritten before the wait that retires it (the read-after-write hazard of pipelined
+  register-A wgmma, triton issue 9433 / PR 9514, which Triton 3.6 does not have).
+- Scales and zeros are loaded by the consumers (plain loads, one K tile ahead, held in registers): one row per
+  tile for groups of 128 and more, one per 16-input plane for groups of 32 / 64. Plain loads take any N (TMA
+  would need N * 2 bytes to be a multiple of 16).
+- The output is stored transposed back (rows = M) with masks; x rows past M come from TMA's zero fill, weight
+  columns past N read the next tile's words (finite garbage in masked columns).
+- Tiles: BLOCK_N 128 (2 x 64), BLOCK_K 128, BLOCK_M 64 (M <= 64, 8 stages) or 128 (5 stages); ~200 KB of shared
+  memory. Launch maxnreg 168, setmaxnreg 240 consumers / 24 producer (as `gluon_attention`).
+What ptxas needs to keep the wgmmas asynchronous (read off `ptxas -v` notes C7514/C7515 and the SASS, 3.6's
+ptxas 12.8 and 3.9's 13.4; `tests/gluon_w4a16_builds.py` checks every build): no branch and no write of the
+accumulator between a wgmma and the wait that retires it. Three things broke that and each made ptxas serialize
+*every* wgmma (a `WARPGROUP.DEPBAR.LE gsb0, 0x0` after each HGMMA, so no overlap at all): (1) a masked scale
+load whose mask held the scalar `i < n_k` (it became a branch; clamped indices now), (2) a conditional tail step
+for odd tile counts (now a phantom tile wholly outside x and the weights, which TMA fills with zeros), (3) a
+zero-trip path that initialized the accumulator after the loop (the first pair of steps now comes before it). Also:
+a wait that names the in-flight accumulator in its deps (Gluon tutorials' `wait(1, deps=(acc,))`) draws C7514 in
+this kernel; the accumulator is carried as the async token instead (`warpgroup_mma_init`).
+- Split-K when the output tiles leave most SMs idle (small M): each split writes fp32 partials and torch sums
+  them (deterministic; two extra small kernels). CTAs run in grouped order (GROUP_M row tiles per band) for L2.
+Limits (`supported` says no, `gluon_w4a16_matmul` raises): K a multiple of 128 (no ragged K tile), group size 32,
+64 or a multiple of 128 (incl. -1 = K), bf16/fp16, sm_90. Decode (M <= 16) still pays a 64-row MMA tile and the
+split-K sum: the plain-Triton decode kernel is likely faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAS_GLUON = False
+
+__all__ = ["gluon_w4a16_matmul", "supported", "config", "HAS_GLUON"]
+
+BLOCK_K = 128  # inputs per K tile: 16 packed word rows, the 8 nibble planes of 16 inputs each
+ROWS_PER_WARPGROUP = 64  # wgmma M: weight rows (output columns) per consumer warpgroup
+BLOCK_N = 2 * ROWS_PER_WARPGROUP  # two consumer warpgroups per CTA
+MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers; setmaxnreg moves them to the consumers
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
+SHARED_BYTES = 232448  # sm_90 opt-in shared memory per block
+PLANE_GROUP_SIZES = (32, 64)  # groups smaller than a K tile: one scale row per 16-input plane
+GROUP_M = 8  # row tiles per band of the CTA order (L2 reuse); not tuned on a GPU yet
+
+
+def config(m: int) -> tuple[int, int]:
+    """(BLOCK_M, STAGES) for M rows: the wgmma N is BLOCK_M. Stages fill ~200 KB of shared memory (x tile
+    BLOCK_M * 256 bytes + 8 KB of words per stage). 256-row tiles spill under ptxas (128 accumulator + 64 A
+    registers > the 168 it allocates), so larger M takes more 128-row tiles. Not tuned on a GPU yet."""
+    if m <= 64:
+        return 64, 8
+    return 128, 5
+
+
+def _group_ok(group_size: int, k: int) -> bool:
+    return group_size in PLANE_GROUP_SIZES or (group_size % BLOCK_K == 0 and k % group_size == 0)
+
+
+# The PTX unpack of kernels/w4a16.py (GPU-verified there), per pair of words (a, b) = two consecutive inputs of one
+# 16-input plane, i.e. one 32-bit register of the wgmma A fragment: PRMT gathers both words' low / high halves, and
+# one LOP3 per plane makes the pair of "magic" 16-bit floats bias + q (bias 128 bf16, 1024 fp16): 8 outputs, plane j.
+_UNPACK = """{{
+.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+shr.u32 a1, lo, 4;
+shr.u32 a2, lo, 8;
+shr.u32 a3, lo, 12;
+shr.u32 b1, hi, 4;
+shr.u32 b2, hi, 8;
+shr.u32 b3, hi, 12;
+lop3.b32 $0, lo, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $1, a1, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $2, a2, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $3, a3, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $4, hi, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $5, b1, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $6, b2, 0x000F000F, {magic}, 0xEA;
+lop3.b32 $7, b3, 0x000F000F, {magic}, 0xEA;
+}}"""
+# (bias + q) - (bias + z) = q - z exactly (integer zero points, as every checkpoint format has), then * s with one
+# rounding: $1 magic pair, $2 = -(z + bias) pair, $3 = s pair (-0.0 addend keeps the product exact before rounding).
+_PLANE = """{{
+.reg .b32 t, one, nz;
+mov.b32 one, {one};
+mov.b32 nz, 0x80008000;
+fma.rn.{t}x2 t, $1, one, $2;
+fma.rn.{t}x2 $0, t, $3, nz;
+}}"""
+_MAGIC = {"bf16": ("0x43004300", "0x3F803F80", 128.0), "f16": ("0x64006400", "0x3C003C00", 1024.0)}
+
+if HAS_GLUON:
+    _UNPACK_BF16 = gl.constexpr(_UNPACK.format(magic=_MAGIC["bf16"][0]))
+    _UNPACK_F16 = gl.constexpr(_UNPACK.format(magic=_MAGIC["f16"][0]))
+    _PLANE_BF16 = gl.constexpr(_PLANE.format(t="bf16", one=_MAGIC["bf16"][1]))
+    _PLANE_F16 = gl.constexpr(_PLANE.format(t="f16", one=_MAGIC["f16"][1]))
+    _UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
+    _PLANE_CONSTRAINTS = gl.constexpr("=r,r,r,r")
+
+    # Triton 3.6 calls the TMA load `async_copy_global_to_shared`; 3.7+ renamed it `async_load` (the old name raises)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
+
+    @gluon.jit
+    def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, m0, n0, N, kt0, n_steps, STAGES: gl.constexpr):
+        """TMA: x[m0:+BLOCK_M, 128 t:+128] and the words of weight rows n0:+128 of K tile t = kt0 + i into slot
+        i % STAGES. A phantom tile (odd tile count: only the last split has one) lies wholly outside both tensors:
+        TMA fills it with zeros (x = 0 makes its product exactly 0)."""
+        for i in range(n_steps):
+            slot = i % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            _tma_load(x_desc, [m0, (kt0 + i) * 128], ready.index(slot), x_smem.index(slot))
+            _tma_load(w_desc, [(kt0 + i) * N + n0, 0], ready.index(slot), w_smem.index(slot))
+
+    @gluon.jit
+    def _scales(s_ptr, z_ptr, i, kt0, n_k, rows, N, group_size, L3: gl.constexpr, PLANE_GROUPS: gl.constexpr):
+        """Raw scales and zeros of K tile kt0 + i (of this split's n_k) for this warpgroup's rows: [64, 1, 1]
+        (one group per tile) or [64, 8, 1] (a group per 16-input plane). No masks: tiles past the end re-read the
+        last one and rows past N read row N - 1 (finite values for outputs that are never stored). A mask with a
+        tile condition became a branch in the loop, and a branch while a wgmma is in flight makes ptxas serialize
+        them all (C7514)."""
+        t = kt0 + gl.minimum(i, n_k - 1)
+        rows = gl.minimum(rows, N - 1)
+        if PLANE_GROUPS:
+            planes = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+            group = (t * 128 + 16 * planes) // group_size
+            offs = gl.expand_dims(group * N, 0) + gl.expand_dims(rows, 1)  # [64, 8]
+            return gl.expand_dims(gl.load(s_ptr + offs), 2), gl.expand_dims(gl.load(z_ptr + offs), 2)
+        else:
+            offs = ((t * 128) // group_size) * N + rows
+            s = gl.load(s_ptr + offs)
+            z = gl.load(z_ptr + offs)
+            return gl.expand_dims(gl.expand_dims(s, 1), 2), gl.expand_dims(gl.expand_dims(z, 1), 2)
+
+    @gluon.jit
+    def _dequant(words, s, z, dtype: gl.constexpr, L3: gl.constexpr, a_layout: gl.constexpr, PTX: gl.constexpr):
+        """[64, 16] packed words (thread order of the A operand) -> the [64, 128] A operand, (q - z) * s in dtype.
+        Element (n, j, i) of the [64, 8, 16] nibble tensor is input 16 j + i, so the reshape to [64, 128] is the
+        operand's own order (assert_trivial: no data moves)."""
+        if PTX:
+            w = _planes_ptx(words, s, z, dtype, L3)
+        else:
+            shifts = 4 * gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+            shifts = gl.expand_dims(gl.expand_dims(shifts, 0), 2).to(gl.uint32)  # [1, 8, 1]
+            words = words.to(gl.uint32, bitcast=True)  # logical shifts (an arithmetic one costs a sign extend)
+            q = (gl.expand_dims(words, 1) >> shifts) & 0xF  # [64, 8, 16]
+            # 2^23 + q as fp32 bits, minus 2^23: q exactly, without an int-to-float conversion
+            qf = (q | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
+            sf = s.to(gl.float32)
+            zs = z.to(gl.float32) * sf  # exact: a 16-bit float times a 16-bit float fits fp32's mantissa
+            w = (qf * sf - zs).to(dtype)  # s * (q - z), rounded once to 16 bits (as the reference dequantizes)
+        w = gl.reshape(w, [64, 128])
+        return gl.convert_layout(w, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _planes_ptx(words, s, z, dtype: gl.constexpr, L3: gl.constexpr):
+        """The PTX path of _dequant: ~2 instructions a weight (16-bit pairs) instead of ~6 (fp32, one at a time).
+        pack=2 hands the asm two consecutive registers: words (n, i), (n, i + 1), one A register's pair."""
+        dt = s.dtype  # the activation dtype as a tensor's dtype (the constexpr argument does not pass as a type)
+        if dtype == gl.bfloat16:
+            p0, p1, p2, p3, p4, p5, p6, p7 = gl.inline_asm_elementwise(
+                _UNPACK_BF16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8, is_pure=True, pack=2)
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = gl.inline_asm_elementwise(
+                _UNPACK_F16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8, is_pure=True, pack=2)
+        # stack the planes on a new axis 1 (j = 4 a + 2 b + c): [64, 16] x 8 -> [64, 8, 16], register renaming
+        q = gl.join(gl.join(gl.join(p0, p1), gl.join(p2, p3)), gl.join(gl.join(p4, p5), gl.join(p6, p7)))
+        q = gl.reshape(gl.permute(q, (0, 4, 3, 2, 1)), [64, 8, 16])
+        q = gl.convert_layout(q, L3, assert_trivial=True)
+        if dtype == gl.bfloat16:
+            nzb = (-(z.to(gl.float32) + 128.0)).to(dt)
+        else:
+            nzb = (-(z.to(gl.float32) + 1024.0)).to(dt)
+        nzb = gl.broadcast(nzb, q)[0]
+        s = gl.broadcast(s, q)[0]
+        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise(_PLANE_BF16, _PLANE_CONSTRAINTS, [q, nzb, s], dtype=dt,
+                                             is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(_PLANE_F16, _PLANE_CONSTRAINTS, [q, nzb, s], dtype=dt,
+                                             is_pure=True, pack=2)
+
+    @gluon.jit
+    def _step(i, acc, a_old, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0, n_k, group_size,
+              ROW0: gl.constexpr, STAGES: gl.constexpr, L3: gl.constexpr, a_layout: gl.constexpr,
+              PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr):
+        """K tile i: dequantize (while wgmma i - 1 runs), issue wgmma i, retire wgmma i - 1 and free its slot.
+        s, z are tile i's scales (loaded one step earlier); returns tile i + 1's. a_old is the A operand of
+        wgmma i - 1: passing it through the wait keeps its registers untouched until that wgmma is done."""
+        slot = i % STAGES
+        s_next, z_next = _scales(s_ptr, z_ptr, i + 1, kt0, n_k, rows, N, group_size, L3, PLANE_GROUPS)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        words = w_smem.index(slot).slice(ROW0, 64).load(gl.SliceLayout(1, L3))
+        a = _dequant(words, s, z, x_smem.dtype, L3, a_layout, PTX)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        # groups retire in order: wgmma i - 1 is done. acc (wgmma i's, in flight) stays an async token and out of
+        # deps: a wait that names in-flight accumulator registers makes ptxas serialize every wgmma (C7514)
+        a_old = warpgroup_mma_wait(num_outstanding=1, deps=(a_old, ))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        return acc, a, s_next, z_next
+
+    @gluon.jit
+    def _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps, group_size, m0, n0,
+                  WARPGROUP: gl.constexpr, STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr):
+        BLOCK_M: gl.constexpr = x_smem.type.shape[1]
+        ROW0: gl.constexpr = WARPGROUP * 64
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        # [64 rows, 8 planes, 16 word columns] in the A operand's thread order (16-bit wgmma A fragment: lane
+        # 4 g + t holds rows g, g + 8 and inputs 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-input slice; warp w
+        # rows 16 w...). Word (n, i) feeds inputs 16 j + i, so a thread holds every plane of its words.
+        L3: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 16])
+
+        rows = n0 + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        acc = warpgroup_mma_init(gl.zeros([64, BLOCK_M], gl.float32, acc_layout))  # an async token in the loop
+        a_even = gl.zeros([64, 128], x_smem.dtype, a_layout)
+        a_odd = gl.zeros([64, 128], x_smem.dtype, a_layout)
+        s, z = _scales(s_ptr, z_ptr, 0, kt0, n_k, rows, N, group_size, L3, PLANE_GROUPS)
+        # Two A register sets, even and odd tiles: the dequant of tile i never writes the registers that the
+        # still running wgmma i - 1 reads. The loop runs whole pairs (n_steps even: an odd n_k gets a phantom
+        # tile that TMA fills with zeros) and the first pair comes before it (n_steps >= 2), so there is no
+        # branch and no accumulator write while a wgmma is in flight: ptxas serializes every wgmma otherwise.
+        acc, a_even, s, z = _step(0, acc, a_odd, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0,
+                                  n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
+        acc, a_odd, s, z = _step(1, acc, a_even, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0,
+                                 n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
+        for i in range(2, n_steps, 2):
+            acc, a_even, s, z = _step(i, acc, a_odd, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N,
+                                      kt0, n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
+            acc, a_odd, s, z = _step(i + 1, acc, a_even, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N,
+                                     kt0, n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # (the last slot is not released: the producer is done)
+
+        n_idx = n0 + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        m_idx = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+        ptrs = y_ptr + gl.expand_dims(m_idx.to(gl.int64) * N, 0) + gl.expand_dims(n_idx, 1)
+        mask = gl.expand_dims(m_idx < M, 0) & gl.expand_dims(n_idx < N, 1)
+        gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _w4a16_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, M, N, k_tiles, chunk, group_size,
+                      STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr,
+                      GROUP_M: gl.constexpr):
+        """One CTA: output tile (m0, n0) over K tiles [kt0, kt0 + n_k) of its split (split-K: `chunk` tiles a
+        split, even when there are several, so only the last split can have a phantom tile; each split writes its
+        own fp32 partial y_ptr[split], which the host sums)."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        # Grouped order (Triton's matmul tutorial): CTAs running together cover GROUP_M row tiles x a band of
+        # column tiles, so both their x tiles and their weight tiles stay in L2 (8192 x 28672: all weight tiles,
+        # 117 MB, would not, and N-fastest order re-read them from HBM for every row tile).
+        pid = gl.program_id(0)
+        tiles_m = gl.cdiv(M, BLOCK_M)
+        tiles_n = gl.cdiv(N, 128)
+        split = pid // (tiles_m * tiles_n)
+        pid = pid % (tiles_m * tiles_n)
+        kt0 = split * chunk
+        n_k = gl.minimum(chunk, k_tiles - kt0)
+        n_steps = n_k + n_k % 2
+        y_ptr += split.to(gl.int64) * M * N
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = gl.minimum(tiles_m - first_m, GROUP_M)
+        m0 = (first_m + (pid % per_group) % group_rows) * BLOCK_M
+        n0 = ((pid % per_group) // group_rows) * 128
+
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+
+        gl.warp_specialize([
+            (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps, group_size, m0,
+                         n0, 0, STAGES, PLANE_GROUPS, PTX)),
+            (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps, group_size, m0,
+                         n0, 1, STAGES, PLANE_GROUPS, PTX)),
+            (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, m0, n0, N, kt0, n_steps, STAGES)),
+        ], [4, 1], _REGS)
+
+
+def _chunk_for(k_tiles: int, splits: int) -> int:
+    """K tiles per split for about `splits` splits: even whenever there are several (a phantom tile, added to an
+    odd count, must lie past K, so only the last split may have an odd count)."""
+    if splits <= 1 or k_tiles <= 2:
+        return k_tiles
+    return 2 * -(-k_tiles // (2 * splits))
+
+
+def _split_chunk(tiles: int, k_tiles: int, n_sms: int) -> int:
+    """Split K only when the output tiles leave most SMs idle (one CTA per SM fits: ~200 KB of shared memory):
+    about one wave of CTAs, each with >= 8 K tiles. Not tuned on a GPU yet."""
+    if tiles * 2 > n_sms:
+        return k_tiles
+    return _chunk_for(k_tiles, max(1, min(n_sms // tiles, k_tiles // 8)))
+
+
+def _num_sms(device) -> int:
+    from .device import num_sms
+
+    return num_sms(device)
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
+    """Whether `gluon_w4a16_matmul` takes these inputs on this machine (else the caller falls back)."""
+    if not (HAS_GLUON and isinstance(x, torch.Tensor) and isinstance(qweight, torch.Tensor)):
+        return False
+    if not (x.is_cuda and qweight.is_cuda and x.dim() >= 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and qweight.dtype == torch.int32 and qweight.dim() == 2):
+        return False
+    k = qweight.shape[0] * 8
+    gs = k if group_size in (-1, None) else int(group_size)
+    return (torch.cuda.get_device_capability(x.device) == (9, 0) and k > 0 and k % BLOCK_K == 0
+            and x.shape[-1] == k and gs > 0 and _group_ok(gs, k))
+
+
+def _check(x, qweight, scales, zeros, group_size):
+    what = "gluon_w4a16_matmul"
+    if not HAS_GLUON:
+        raise ValueError(f"{what} needs Triton with Gluon's Hopper module (triton >= 3.6); use "
+                         "hf_fastpath.kernels.w4a16.w4a16_matmul instead")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() < 1:
+        raise ValueError(f"{what}: x must be a float16 or bfloat16 tensor [..., K], got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"{what}: qweight must be a 2-D int32 tensor [K // 8, N] (w4a16_pack's layout), got "
+                         f"{getattr(qweight, 'dtype', type(qweight))} {tuple(getattr(qweight, 'shape', ()))}")
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x.shape[-1]} features but qweight holds K = {k} (qweight.shape[0] * 8)")
+    if k == 0 or k % BLOCK_K != 0:
+        raise ValueError(f"{what}: K = {k} must be a positive multiple of {BLOCK_K} (no ragged K tile); use "
+                         "w4a16_matmul for this layer")
+    gs = k if group_size in (-1, None) else int(group_size)
+    if gs <= 0 or k % gs != 0 or not _group_ok(gs, k):
+        raise ValueError(f"{what}: group_size {group_size} is not supported (32, 64, a multiple of 128 dividing "
+                         f"K = {k}, or -1); use w4a16_matmul for this layer")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (k // gs, n):
+            raise ValueError(f"{what}: {name} must have shape [K // group_size, N] = [{k // gs}, {n}], got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if t.dtype != x.dtype:
+            raise ValueError(f"{what}: {name} dtype {t.dtype} differs from x's {x.dtype}; cast it once at load "
+                             f"time ({name}.to({x.dtype}))")
+    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        if not t.is_cuda:
+            raise ValueError(f"{what}: {name} is on {t.device}; this kernel runs on Hopper GPUs only (elsewhere use "
+                             "w4a16_matmul)")
+    if any(t.device != x.device for t in (qweight, scales, zeros)):
+        raise ValueError(f"{what}: x, qweight, scales and zeros must be on one device")
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        raise ValueError(f"{what} runs on Hopper (sm_90) GPUs only; elsewhere use w4a16_matmul")
+    return k, n, gs
+
+
+def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       group_size: int, *, unpack: str = "ptx", splits: int | None = None) -> torch.Tensor:
+    """y = x @ W with W held as 4-bit words (`w4a16_pack`'s layout), as `w4a16_matmul`: x [..., K] bf16/fp16,
+    returns [..., N] in x's dtype. group_size: 32, 64, a multiple of 128, or -1 (one group over K).
+    unpack: "ptx" (16-bit pair arithmetic, exact q - z for integer zero points, as every checkpoint format stores)
+    or "plain" (fp32 arithmetic, any float zero point; ~3x the dequantization instructions).
+    splits: K splits (None: enough to fill the GPU when there are few output tiles, i.e. small M); with more than
+    one, fp32 partial sums are written and summed (deterministically) by torch."""
+    if unpack not in ("ptx", "plain"):
+        raise ValueError(f"gluon_w4a16_matmul: unpack must be 'ptx' or 'plain', got {unpack!r}")
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"gluon_w4a16_matmul: splits must be a positive int or None, got {splits!r}")
+    k, n, gs = _check(x, qweight, scales, zeros, group_size)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:  # TMA: dense rows, a 16-byte aligned base
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    m = x2.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0:
+        return y.reshape(*lead, n)
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    if qweight.data_ptr() % 16 != 0:  # a view into a larger buffer: TMA needs a 16-byte aligned base
+        qweight = qweight.clone()
+
+    block_m, stages = config(m)
+    elem = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    x_block = [block_m, BLOCK_K]
+    x_desc = TensorDescriptor(x2, [m, k], [k, 1], x_block, gl.NVMMASharedLayout.get_default_for(x_block, elem))
+    words = qweight.view(-1, 16)  # tile-major: K tile t's words for column c are row t * N + c, 16 words each
+    w_block = [BLOCK_N, 16]
+    w_desc = TensorDescriptor(words, list(words.shape), [16, 1], w_block,
+                              gl.NVMMASharedLayout.get_default_for(w_block, gl.int32))
+    tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
+    k_tiles = k // BLOCK_K
+    chunk = _split_chunk(tiles, k_tiles, _num_sms(x.device)) if splits is None else _chunk_for(k_tiles, splits)
+    n_splits = triton.cdiv(k_tiles, chunk)
+    # several splits: fp32 partials [splits, M, N] summed here (deterministic: no atomics)
+    out = y if n_splits == 1 else torch.empty((n_splits, m, n), device=x.device, dtype=torch.float32)
+    _w4a16_kernel[(tiles * n_splits, )](x_desc, w_desc, scales, zeros, out, m, n, k_tiles, chunk, gs,
+                                        STAGES=stages, PLANE_GROUPS=gs in PLANE_GROUP_SIZES, PTX=unpack == "ptx",
+                                        GROUP_M=GROUP_M, num_warps=4, maxnreg=MAXNREG)
+    if n_splits > 1:
+        y.copy_(out.sum(dim=0))
+    return y.reshape(*lead, n)

@@ -1,0 +1,196 @@
+"""GPU checks of the Gluon W4A16 GEMM (`kernels.gluon_w4a16`) against a float64 reference (run on an H200:
+`TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_w4a16_gpu.py`). Skipped without an sm_90 GPU.
+
+The reference is built from the integer codes (packed with `w4a16_pack`, so the kernel's reading of the layout is
+checked too) and the 16-bit scales/zeros, in float64: y = x @ (s * (q - z)). The kernel rounds W to 16 bits
+once (as `w4a16_matmul` does) and accumulates in fp32; the tolerance is the CPU W4A16 tests' (max error <= tol *
+max |y|). With HF_FASTPATH_GPU_REPORT=path, every case's error goes to that JSON file as well."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_fastpath.kernels import gluon_w4a16 as gw
+from hf_fastpath.kernels.w4a16_layout import w4a16_pack, w4a16_unpack
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or not gw.HAS_GLUON
+    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET unset")
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}  # as tests/test_w4a16_kernels.py
+REPORT: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    path = os.environ.get("HF_FASTPATH_GPU_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=1)
+
+
+_LAYERS: dict = {}
+
+
+def _layer(k, n, gs, dtype, zeros="asym"):
+    """(qweight, scales, zeros, W in float64 on the GPU), cached per shape: the big layers take a while to pack."""
+    key = (k, n, gs, dtype, zeros)
+    if key not in _LAYERS:
+        if len(_LAYERS) > 4:
+            _LAYERS.clear()
+        g = torch.Generator(device="cuda").manual_seed(k * 7 + n + gs)
+        codes = torch.randint(0, 16, (k, n), device="cuda", generator=g)
+        groups = k // gs
+        scales = (torch.rand(groups, n, device="cuda", generator=g) * 0.05 + 0.005).to(dtype)
+        if zeros == "sym":
+            z = torch.full((groups, n), 8.0, device="cuda").to(dtype)
+        else:
+            z = torch.randint(0, 16, (groups, n), device="cuda", generator=g).to(dtype)
+        qweight = w4a16_pack(codes)
+        assert torch.equal(w4a16_unpack(qweight), codes.to(torch.int32))
+        w64 = scales.double().repeat_interleave(gs, 0) * (codes.double() - z.double().repeat_interleave(gs, 0))
+        _LAYERS[key] = (qweight, scales, z, w64)
+    return _LAYERS[key]
+
+
+def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx"):
+    qweight, scales, z, w64 = _layer(k, n, gs, dtype, zeros)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    assert gw.supported(x, qweight, gs)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack)
+    torch.cuda.synchronize()
+    ref = x.double() @ w64
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert torch.isfinite(y).all(), f"{name}: NaN/inf"
+    err = (y.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    REPORT.append(dict(case=f"{name} {unpack}", max_err=err, scale=scale, rel=err / max(scale, 1e-30)))
+    assert err <= TOL[dtype] * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+    return y
+
+
+MS = [1, 7, 16, 63, 64, 100, 128, 256, 1000, 4096]
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (512, 384), (512, 1001), (384, 200)]  # (K, N); odd N; K / 128 odd
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("kn", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_g128_bf16_matches_float64(kn, m):
+    k, n = kn
+    _check(f"bf16 g128 M={m} K={k} N={n}", m, k, n, 128, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 64, 100, 1000])
+@pytest.mark.parametrize("kn", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_g128_fp16_matches_float64(kn, m):
+    k, n = kn
+    _check(f"fp16 g128 M={m} K={k} N={n}", m, k, n, 128, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 63, 100, 1000])
+@pytest.mark.parametrize("kn", [(4096, 4096), (512, 1001), (384, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_plain_unpack_matches_float64(kn, m, dtype):
+    k, n = kn
+    _check(f"{dtype} g128 M={m} K={k} N={n}", m, k, n, 128, dtype, unpack="plain")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("m", [1, 64, 300])
+@pytest.mark.parametrize("kn", [(4096, 4096), (1152, 1001), (384, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_split_k_matches_float64(kn, m, splits):
+    """Explicit K splits (9 and 3 K tiles: odd counts, the last split with a phantom tile), fp32 partial sums."""
+    k, n = kn
+    qweight, scales, z, w64 = _layer(k, n, 128, torch.bfloat16)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, splits=splits)
+    ref = x.double() @ w64
+    err = (y.double() - ref).abs().max().item()
+    REPORT.append(dict(case=f"split {splits} M={m} K={k} N={n}", max_err=err, scale=ref.abs().max().item()))
+    assert err <= TOL[torch.bfloat16] * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("gs", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_unpack_paths_are_bitwise_equal(dtype, gs):
+    """Both paths round s * (q - z) (exact for integer zero points) once to 16 bits, so their A operands and
+    hence their outputs are identical bit for bit; a difference means one path mis-reads the layout or scales."""
+    qweight, scales, z, _ = _layer(4096, 4096, gs, dtype)
+    x = torch.randn(200, 4096, device="cuda").to(dtype)
+    a = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack="ptx")
+    b = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack="plain")
+    diff = (a.double() - b.double()).abs().max().item()
+    REPORT.append(dict(case=f"ptx vs plain {dtype} g{gs}", max_abs_diff=diff))
+    assert torch.equal(a, b), f"max |ptx - plain| = {diff}"
+
+
+@pytest.mark.parametrize("gs", [32, 64, 256, -1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 63, 128, 1000])
+@pytest.mark.parametrize("kn", [(4096, 4096), (512, 1001)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_other_groups_match_float64(kn, m, dtype, gs):
+    k, n = kn
+    eff = k if gs == -1 else gs
+    _check(f"{dtype} g{gs} M={m} K={k} N={n}", m, k, n, eff, dtype)
+
+
+def test_symmetric_zeros_and_leading_dims():
+    qweight, scales, z, w64 = _layer(1024, 512, 128, torch.bfloat16, "sym")
+    x = torch.randn(2, 3, 50, 1024, device="cuda").to(torch.bfloat16)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128)
+    ref = x.double() @ w64
+    assert y.shape == (2, 3, 50, 512)
+    assert (y.double() - ref).abs().max().item() <= TOL[torch.bfloat16] * ref.abs().max().item()
+
+
+def test_misaligned_and_strided_x():
+    qweight, scales, z, w64 = _layer(512, 384, 128, torch.bfloat16)
+    base = torch.randn(65 * 512 + 1, device="cuda").to(torch.bfloat16)
+    x = base[1:].view(65, 512)  # 2-byte offset: not 16-byte aligned for TMA
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128)
+    ref = x.double() @ w64
+    assert (y.double() - ref).abs().max().item() <= TOL[torch.bfloat16] * ref.abs().max().item()
+    xt = torch.randn(512, 70, device="cuda").to(torch.bfloat16).t()  # column-major
+    y = gw.gluon_w4a16_matmul(xt, qweight, scales, z, 128)
+    ref = xt.double() @ w64
+    assert (y.double() - ref).abs().max().item() <= TOL[torch.bfloat16] * ref.abs().max().item()
+
+
+def test_matches_the_triton_kernel():
+    """Same inputs as `w4a16_matmul`: the two agree to the bf16 tolerance (both round W once to 16 bits)."""
+    from hf_fastpath.kernels.w4a16 import w4a16_matmul
+
+    qweight, scales, z, w64 = _layer(4096, 4096, 128, torch.bfloat16)
+    for m in (16, 300):
+        x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+        a = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128).double()
+        b = w4a16_matmul(x, qweight, scales, z, 128).double()
+        assert (a - b).abs().max().item() <= TOL[torch.bfloat16] * b.abs().max().item()
+
+
+@pytest.mark.parametrize("unpack", ["ptx", "plain"])
+@pytest.mark.parametrize("m", [1, 64, 1000])
+def test_repeat_runs_are_bitwise_identical(m, unpack):
+    """No atomics (split-K partials are summed by torch): a race (a slot reused before its wgmma finished, A
+    registers rewritten while a wgmma reads them) shows as run-to-run differences. 200 calls, each compared bit
+    for bit with the first. 14336 x 4096 has 32 column tiles, so M = 1 and 64 also take the split-K path."""
+    qweight, scales, z, _ = _layer(14336, 4096, 128, torch.bfloat16)  # 32 column tiles: M <= 64 splits K
+    x = torch.randn(m, 14336, device="cuda").to(torch.bfloat16)
+    first = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, unpack=unpack)
+    bad = 0
+    for _ in range(200):
+        bad += int(not torch.equal(gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, unpack=unpack), first))
+    REPORT.append(dict(case=f"repeat M={m} {unpack}", mismatching_calls=bad))
+    assert bad == 0, f"{bad}/200 calls differ from the first"
+
+
+def test_empty_inputs():
+    qweight, scales, z, _ = _layer(512, 384, 128, torch.bfloat16)
+    y = gw.gluon_w4a16_matmul(torch.empty(0, 512, device="cuda", dtype=torch.bfloat16), qweight, scales, z, 128)
+    assert y.shape == (0, 384)

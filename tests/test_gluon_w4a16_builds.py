@@ -1,0 +1,164 @@
+"""The Gluon W4A16 GEMM (`kernels.gluon_w4a16`) compiles for sm_90 and fits its shared memory, checked without a
+GPU; its host-side checks behave on the CPU.
+
+Gluon has no interpreter, so nothing else in CI compiles it: `gluon_w4a16_builds.py` builds each variant with
+Triton's own compiler in a subprocess (TRITON_INTERPRET=0), for the Triton installed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_fastpath.kernels import gluon_w4a16 as gw
+from hf_fastpath.kernels.w4a16_layout import w4a16_pack
+
+HOPPER_SHARED_BYTES = 232448  # per block, opt-in (227 KB)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_w4a16_builds.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=1200)
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert out, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.skipif(not gw.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
+def test_gluon_w4a16_builds_for_sm90(builds):
+    failed = [b for b in builds if "error" in b]
+    assert not failed, failed
+    assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
+    assert not [b for b in builds if b["spills"]], builds  # LLVM-level spills (local. in the PTX)
+    assert not [b for b in builds if b.get("ptxas_spill_bytes")], builds  # ptxas spills, where ptxas ran
+    # one register-A wgmma group per K tile step: 8 x K=16 wgmmas each, one wait with a group in flight
+    assert all(b["wgmma"] % 8 == 0 and b["wgmma_wait_1"] > 0 for b in builds), builds
+    # ptxas keeps the wgmmas asynchronous (no C7514/C7515 note, no wait right after each HGMMA): otherwise the
+    # dequantization cannot overlap the MMA, the point of this kernel
+    assert not [b for b in builds if b.get("serialized") or b.get("ptxas_notes")], builds
+    names = {b["name"] for b in builds}
+    assert {f"m64 s{gw.config(1)[1]} g128 bf16", f"m128 s{gw.config(4096)[1]} g128 bf16",
+            f"m128 s{gw.config(4096)[1]} g64 fp16", f"m128 s{gw.config(4096)[1]} g128 bf16 plain"} <= names
+
+
+def _weights(k, n, gs, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (k, n), generator=g)
+    groups = k // gs
+    return (w4a16_pack(codes), torch.rand(groups, n, generator=g).to(dtype) * 0.01,
+            torch.full((groups, n), 8.0, dtype=dtype))
+
+
+def test_supported_is_false_off_gpu():
+    qw = _weights(256, 64, 128)[0]
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert gw.supported(x, qw, 128) is False  # CPU tensors
+    assert gw.supported("x", qw, 128) is False
+    assert gw.supported(x, qw.float(), 128) is False
+
+
+def test_config_fits_shared_memory():
+    for m in (1, 64, 65, 128, 129, 4096):
+        block_m, stages = gw.config(m)
+        assert block_m in (64, 128) and block_m >= min(m, 64)
+        assert stages * (block_m * gw.BLOCK_K * 2 + gw.BLOCK_N * 16 * 4) <= HOPPER_SHARED_BYTES - 1024
+
+
+def test_group_sizes():
+    assert gw._group_ok(32, 256) and gw._group_ok(64, 256) and gw._group_ok(128, 256) and gw._group_ok(256, 256)
+    assert not gw._group_ok(16, 256) and not gw._group_ok(96, 384) and not gw._group_ok(384, 256)
+
+
+@pytest.mark.skipif(not gw.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
+@pytest.mark.parametrize("case, match", [
+    ("dtype", "float16 or bfloat16"),
+    ("features", "features but qweight holds"),
+    ("ragged_k", "multiple of 128"),
+    ("group", "group_size 16 is not supported"),
+    ("scales_shape", "scales must have shape"),
+    ("scales_dtype", "differs from x's"),
+    ("qweight_dtype", "int32"),
+    ("cpu", "Hopper GPUs only"),
+    ("unpack", "unpack must be"),
+])
+def test_argument_errors_name_the_problem(case, match):
+    k, n, gs = 256, 64, 128
+    qw, s, z = _weights(k, n, gs)
+    x = torch.randn(2, k, dtype=torch.bfloat16)
+    if case == "dtype":
+        x = x.float()
+    elif case == "features":
+        x = torch.randn(2, k + 8, dtype=torch.bfloat16)
+    elif case == "ragged_k":
+        qw, s, z = _weights(192, n, 64)
+        x, gs = torch.randn(2, 192, dtype=torch.bfloat16), 64
+    elif case == "group":
+        qw, s, z = _weights(k, n, 16)
+        gs = 16
+    elif case == "scales_shape":
+        s = s[:, :-1]
+    elif case == "scales_dtype":
+        s = s.half()
+    elif case == "qweight_dtype":
+        qw = qw.to(torch.int64)
+    with pytest.raises(ValueError, match=match):
+        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack="fast" if case == "unpack" else "ptx")
+
+
+def test_the_kernels_index_mapping_on_the_cpu():
+    """What the kernel assumes about the layout, replayed in torch: the TMA box of K tile t and columns n0... is
+    rows t * N + n0... of qweight viewed as [K / 128 * N, 16]; nibble j of word (n, i) is input 128 t + 16 j + i;
+    the plane stack join / permute / reshape puts plane j at [:, j, :]; the reshape to [64, 128] makes input
+    column 16 j + i."""
+    k, n = 384, 72
+    codes = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(1))
+    qweight = w4a16_pack(codes)
+    rows = qweight.view(-1, 16)
+    for t in range(k // gw.BLOCK_K):
+        words = rows[t * n:(t + 1) * n]  # [n, 16]: the producer's box (BLOCK_N rows, here all of N)
+        planes = [(words >> (4 * j)) & 0xF for j in range(8)]  # the asm's outputs $0...$7
+        j2 = [torch.stack([planes[2 * c], planes[2 * c + 1]], -1) for c in range(4)]  # gl.join: a new last axis
+        j4 = [torch.stack([j2[0], j2[1]], -1), torch.stack([j2[2], j2[3]], -1)]
+        q = torch.stack(j4, -1).permute(0, 4, 3, 2, 1).reshape(n, 8, 16)
+        a = q.reshape(n, 128)  # the A operand, [n, input in tile]
+        assert torch.equal(a.t(), codes[128 * t:128 * (t + 1)].to(a.dtype))
+
+
+@pytest.mark.parametrize("tiles_m, tiles_n", [(1, 1), (1, 32), (3, 5), (8, 7), (9, 224), (32, 32), (17, 3)])
+def test_the_grouped_cta_order_covers_every_tile_once(tiles_m, tiles_n):
+    """The kernel's pid -> (row tile, column tile) map (replayed here) is a bijection onto the tile grid."""
+    group = gw.GROUP_M
+    seen = set()
+    for pid in range(tiles_m * tiles_n):
+        per_group = group * tiles_n
+        first_m = (pid // per_group) * group
+        rows = min(tiles_m - first_m, group)
+        seen.add((first_m + (pid % per_group) % rows, (pid % per_group) // rows))
+    assert seen == {(i, j) for i in range(tiles_m) for j in range(tiles_n)}
+
+
+@pytest.mark.parametrize("k_tiles", [1, 2, 3, 4, 5, 9, 32, 112, 224])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 7, 16, 300])
+def test_split_k_chunks(k_tiles, splits):
+    """Every K tile in exactly one split, no empty split, and an odd tile count only in the last split (the
+    kernel's phantom tile for an odd count must lie past K)."""
+    chunk = gw._chunk_for(k_tiles, splits)
+    n = -(-k_tiles // chunk)
+    counts = [min(chunk, k_tiles - s * chunk) for s in range(n)]
+    assert sum(counts) == k_tiles and min(counts) >= 1
+    assert all(c % 2 == 0 for c in counts[:-1])
+    assert n <= max(splits, 1) or chunk == 2
+
+
+def test_split_k_only_for_few_tiles():
+    assert gw._split_chunk(tiles=112, k_tiles=32, n_sms=132) == 32  # 4096 x 14336 at M <= 64: no split
+    chunk = gw._split_chunk(tiles=32, k_tiles=32, n_sms=132)  # 4096^2 at M <= 64: 4 splits of 8
+    assert chunk == 8 and 32 * (32 // chunk) <= 132
+    assert gw._split_chunk(tiles=32, k_tiles=112, n_sms=132) == 28  # 14336 x 4096
