@@ -5,8 +5,9 @@ workflows a user runs, both in one process on the same weights.
     python benchmarks/end_to_end.py --plot benchmarks/results/end_to_end.json         # PNG (no GPU needed)
     python benchmarks/end_to_end.py --readme benchmarks/results/end_to_end.json       # the README's table
 
-Model: Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP 14336, vocab 128256), `--layers` decoder
-layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
+Model (`--model`): Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP 14336, vocab 128256; the default)
+or Gemma-2-9B-shaped (head dim 256, soft caps, sliding window; results to `end_to_end_gemma2-9b.json`), `--layers`
+decoder layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
 Rows (each: sdpa, fastpath, fastpath / sdpa; higher is better everywhere):
 - train: forward + backward (all parameters, loss on every token), tokens/s, 1 x 8192 tokens, and the same tokens
   as 4 packed sequences of 2048 (restarting position_ids, no cache, as a padding-free collator gives them);
@@ -32,6 +33,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "end_to_end.json")
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=40960)
+# head dim 256, soft-capped scores (Transformers' "sdpa" ignores the cap; fastpath applies it) and logits, layers
+# alternating a 4096-token sliding window and full attention
+GEMMA2_9B = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                 vocab_size=256000, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                 query_pre_attn_scalar=256, max_position_embeddings=40960)
+MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
+          "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights")}
 IMPLS = ("sdpa", "fastpath")
 NEW_TOKENS = 32
 
@@ -114,11 +122,12 @@ def profile_generate(model, batch, prompt):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--only", default="train,packed,prefill,eager,compiled")
     ap.add_argument("--dtypes", default="bf16,w4a16")
     ap.add_argument("--compiled-shapes", default="1x512,8x4096")
-    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--out", help=f"results JSON (default {RESULTS}, or end_to_end_<model>.json beside it)")
     ap.add_argument("--plot")
     ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt and stop")
     ap.add_argument("--readme", metavar="RESULTS", help="print the README's table from this results JSON")
@@ -134,9 +143,12 @@ def main():
     from hf_fastpath.quantization.config import W4A16Config
 
     only, dtypes = set(args.only.split(",")), args.dtypes.split(",")
+    model_type, shape, described = MODELS[args.model]
+    if args.out is None:
+        args.out = RESULTS if args.model == "llama3-8b" else RESULTS.replace(".json", f"_{args.model}.json")
     res = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          transformers=transformers.__version__, date=datetime.date.today().isoformat(),
-                         layers=args.layers, model="Llama-3-8B shape, random weights", new_tokens=NEW_TOKENS),
+                         layers=args.layers, model=described, new_tokens=NEW_TOKENS),
                rows=[])
     if os.path.exists(args.out):  # runs split over several calls add their rows to one file
         old = json.load(open(args.out))
@@ -171,7 +183,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    config = transformers.LlamaConfig(**LLAMA3_8B, num_hidden_layers=args.layers)
+    config = transformers.AutoConfig.for_model(model_type, **shape, num_hidden_layers=args.layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
