@@ -157,11 +157,12 @@ def main():
         res["rows"] = [r for r in old.get("rows", []) if keys[r["workflow"]] not in only or r["dtype"] not in dtypes]
 
     def record(workflow, dtype, shape, unit, fn, rounds):
-        """Both implementations, alternating `rounds` times (the host's speed drifts: eager decoding is host-bound);
+        """Both implementations, alternating `rounds` times (the host's speed drifts: eager decoding is host-bound),
+        which goes first swapping every round (the second of two back-to-back runs can meet a hotter, slower GPU);
         each keeps its best round."""
         row = dict(workflow=workflow, dtype=dtype, shape=shape, unit=unit)
-        for _ in range(rounds):
-            for impl in IMPLS:
+        for round_ in range(rounds):
+            for impl in (IMPLS if round_ % 2 == 0 else IMPLS[::-1]):
                 model.set_attn_implementation(impl)
                 torch._dynamo.reset()
                 from torch._dynamo.utils import counters
