@@ -349,3 +349,29 @@ def test_gluon_op_shapes_and_gradients(monkeypatch):
     torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+
+
+def test_gluon_that_does_not_build_falls_back_to_triton(install, monkeypatch, caplog):
+    # a Triton whose Gluon API differs from the versions we build against: the call still returns the right
+    # answer (our Triton kernel), one warning says why, and "auto" stops choosing Gluon
+    from triton.compiler.errors import CompilationError
+
+    from hf_fastpath.attention import ops
+    from hf_fastpath.kernels import gluon_attention as ga
+
+    def does_not_build(*args, **kwargs):
+        raise CompilationError(None, None, "'tma' has no attribute 'async_copy_global_to_shared'")
+
+    monkeypatch.setattr(ga, "gluon_attention_forward", does_not_build)
+    monkeypatch.setattr(ops, "GLUON_BUILD_ERRORS", [])
+    install()
+    monkeypatch.setattr(backends, "_gluon_importable", lambda: True)
+    q, k, v = (t.float() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=64, grad=False))
+    with caplog.at_level(logging.WARNING, logger="hf_fastpath.attention.ops"):
+        out, lse = ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3))
+        ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3))
+    want, want_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+    warnings = [r.getMessage() for r in caplog.records if "Gluon" in r.getMessage()]
+    assert len(warnings) == 1 and "async_copy_global_to_shared" in warnings[0]
+    assert "does not build" in backends.BACKENDS["gluon"].missing()

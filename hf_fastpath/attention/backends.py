@@ -317,8 +317,10 @@ class SDPABackend:
 
 @torch.compiler.assume_constant_result
 def _gluon_importable() -> bool:
-    from ..kernels.gluon_attention import HAS_GLUON
-
+    try:  # a Triton whose Gluon module lacks a name the kernel module binds at import must not break dispatch
+        from ..kernels.gluon_attention import HAS_GLUON
+    except Exception:  # noqa: BLE001
+        return False
     return HAS_GLUON
 
 
@@ -332,6 +334,10 @@ class GluonBackend:
     def missing(self):
         if not _gluon_importable():
             return "this Triton has no Gluon Hopper module (needs triton >= 3.6)"
+        from .ops import GLUON_BUILD_ERRORS
+
+        if GLUON_BUILD_ERRORS:
+            return f"does not build with this Triton ({GLUON_BUILD_ERRORS[0]})"
         cap = cuda_capability()
         if cap is None:
             return "no CUDA device"

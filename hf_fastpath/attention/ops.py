@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..kernels.flash_attention import flash_attention_backward, flash_attention_forward
+from ..kernels.common import warn_once
 from .params import AttentionParams, make_params
 from .triton_backend import check_inputs
 
@@ -117,10 +118,24 @@ def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
 # The Gluon forward (Hopper, plain calls), with the Triton backward: both use the same LSE convention.
 
 
+GLUON_BUILD_ERRORS: list[str] = []  # a Gluon kernel that failed to build here: "auto" stops choosing Gluon
+
+
 def _gluon_forward(q, k, v, causal, softmax_scale):
+    """The Gluon forward; if this Triton cannot build it (its Gluon API differs from the 3.6 and 3.9 we build
+    against), our Triton kernel instead, with a one-time warning."""
+    from triton.compiler.errors import CompilationError
+
     from ..kernels.gluon_attention import gluon_attention_forward
 
-    return gluon_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    if not GLUON_BUILD_ERRORS:
+        try:
+            return gluon_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        except CompilationError as exc:
+            GLUON_BUILD_ERRORS.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
+            warn_once(__name__, "gluon-build", f"hf_fastpath's Gluon attention kernel does not build with this "
+                      f"Triton ({GLUON_BUILD_ERRORS[0]}); running the Triton kernel instead.")
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_forward", mutates_args=())
