@@ -1,0 +1,326 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon, FlashAttention-3 style (issue 20).
+
+Status: compiled offline for sm_90; not yet run on a GPU (2026-12-02); not dispatched. Nothing in the package
+calls it yet; training keeps `flash_attention.flash_attention_backward`. Check it with
+tests/gpu/test_gluon_attention_bwd_gpu.py before wiring it in.
+
+Design as built (deliberately the simple first version):
+- preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
+  domain with -inf -> +inf so that rows with no visible key get P = 0);
+- main kernel `_attn_bwd_kernel`: one CTA = one 4-warp warpgroup (no warp specialization, no setmaxnreg) per
+  (BLOCK_N = 64 keys, batch x kv-head). K and V load once by TMA; the CTA loops over the query heads of its GQA
+  group and, per head, over the BLOCK_M-row query tiles that see its keys (causal: from the tile holding query
+  n0 - (Sk - Sq), bottom-right aligned). Q_i and dO_i come by TMA into a ring of STAGES = 2 slots, the next
+  tile's loads issued at the top of this tile (software pipelined, one mbarrier per slot, a CTA barrier first so
+  no warp still reads the slot). BLOCK_M is 64 at hd64 and 32 at hd128 (`BLOCK_MS`): dK and dV take 128 fp32
+  registers a thread at hd128, and 64-query tiles spilled under Triton 3.6's ptxas. Per tile (keys are M = 64):
+    S^T  = K . Q_i^T                     wgmma, both from shared memory; waited
+    P^T  = exp2(S^T * scale * log2e - lse2), masked (causal, key >= Sk, query >= Sq) to 0, kept in 16 bits
+    dP^T = V . dO_i^T                    | issued together, dP^T first; dS^T is computed while dV runs
+    dV  += P^T . dO_i                    | (P^T the register A operand)
+    dS^T = P^T * (dP^T - delta_i)        (P^T read back from its 16-bit copy, as the dV operand sees it)
+    dK  += dS^T . Q_i                    (dS^T the register A operand), and dS^T -> shared memory
+    dQ_i = dS . K (hd64: dS^T read transposed as A) or dQ_i^T = K^T . dS^T (hd128: M must be 64), in 64-column
+           pieces of the head dim, each atomically added (relaxed fp32) into a zeroed [B, Sq, Hq, D] buffer that
+           a torch op scales by softmax_scale and casts at the end.
+  Masking is branch-free (one select per element on every tile); queries past Sq get lse2 = +inf and delta 0,
+  so rows of the next sequence that a TMA box may read contribute nothing. dK is scaled by softmax_scale once,
+  and dK / dV are written once per CTA (plain masked stores).
+Not deterministic (dQ's atomics), as FA3's default. dQ offsets are 32-bit per (batch, head): Sq * Hq * D < 2**31.
+Offline builds (tests/gluon_bwd_builds.py, 2026-12-02), Triton 3.9 / 3.6: shared 57368 B (hd64) and 69656 B
+(hd128); ptxas registers 191-196 / 206-237 (hd64) and 229-233 / 232-238 (hd128); no spills; wgmmas not serialized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import gluon_attention as _fwd
+from .gluon_attention import HAS_GLUON, HEAD_DIMS, LOG2E
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_attention import _barrier, _tma_load
+
+__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "BLOCK_N", "STAGES", "NUM_WARPS"]
+
+BLOCK_MS = {64: 64, 128: 32}  # query rows per tile (the N of S^T, dP^T and dQ^T) per head dim: hd128 takes 32 so
+#   that dK, dV (128 fp32 registers a thread) and the tile's S^T / dP^T fit 255 registers under Triton 3.6's ptxas
+BLOCK_N = 64  # key rows per CTA (the M of S^T, dP^T, dK, dV)
+STAGES = 2  # Q / dO ring depth
+NUM_WARPS = 4  # one warpgroup
+SHARED_LIMIT = 232448
+
+
+def shared_bytes(head_dim: int, stages: int = STAGES) -> int:
+    """16-bit tiles of one CTA (K, V, the Q/dO ring, dS^T) plus 1 KB for barriers and layout conversions."""
+    block_m = BLOCK_MS[head_dim]
+    return 2 * (2 * BLOCK_N * head_dim + 2 * stages * block_m * head_dim + BLOCK_N * block_m) + 1024
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, it, n_mt, m_start, b, h0, seq_q,
+                  q_row_b, q_row_h, q_col_h, do_row_b, do_row_h, do_col_h, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """TMA loads of iteration `it` (query head h0 + it // n_mt, query tile m_start + it % n_mt) into its slot."""
+        slot = it % STAGES
+        h = h0 + it // n_mt
+        m0 = (m_start + it % n_mt) * BLOCK_M
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [b * q_row_b + h * q_row_h + m0, h * q_col_h], ready.index(slot), q_smem.index(slot))
+        _tma_load(do_desc, [b * do_row_b + h * do_row_h + m0, h * do_col_h], ready.index(slot), do_smem.index(slot))
+
+    @gluon.jit
+    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+                         seq_q, seq_k, num_heads, num_kv_heads, group,
+                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
+                         do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        # accumulators: keys are M for S^T / dP^T [BLOCK_N, BLOCK_M] and dK / dV [BLOCK_N, D]
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
+        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+
+        pid_n = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // num_kv_heads
+        hk = bh % num_kv_heads
+        h0 = hk * group
+        n0 = pid_n * BLOCK_N
+        diag = seq_k - seq_q
+        if CAUSAL:  # the first query that sees key n0 is n0 - diag
+            m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
+        else:
+            m_start = 0
+        n_mt = gl.maximum(gl.cdiv(seq_q, BLOCK_M) - m_start, 0)
+        n_iters = n_mt * group
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
+        _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
+        for i in gl.static_range(STAGES - 1):  # fill the ring but for one slot
+            if i < n_iters:
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, i, n_mt, m_start, b, h0, seq_q, q_row_b,
+                          q_row_h, q_col_h, do_row_b, do_row_h, do_col_h, BLOCK_M, STAGES)
+
+        keys = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
+        key_ok = gl.expand_dims(keys < seq_k, 1)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dq_rows_l: gl.constexpr = gl.SliceLayout(1, kv_layout)
+        DQ_CHUNK: gl.constexpr = 64  # dQ's accumulator covers 64 columns of the head dim at a time (registers)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_CHUNK, 16])  # dQ's
+        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])  # dQ^T's
+        mbarrier.wait(kv_ready, 0)
+        kT = k_smem.permute((1, 0))
+        for it in range(0, n_iters):
+            # every warp is past iteration it - 1 (its wgmmas retired): its ring slot and dS^T may be reused
+            _barrier()
+            nxt = it + STAGES - 1
+            if nxt < n_iters:
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, nxt, n_mt, m_start, b, h0, seq_q, q_row_b,
+                          q_row_h, q_col_h, do_row_b, do_row_h, do_col_h, BLOCK_M, STAGES)
+            slot = it % STAGES
+            h = h0 + it // n_mt
+            m0 = (m_start + it % n_mt) * BLOCK_M
+            q_tile = q_smem.index(slot)
+            do_tile = do_smem.index(slot)
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+
+            st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+            st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+
+            rows = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+            row_ok = rows < seq_q
+            lse_off = (b * num_heads + h).to(gl.int64) * seq_q + rows
+            lse2 = gl.load(lse2_ptr + lse_off, mask=row_ok, other=float("inf"))
+            visible = key_ok & gl.expand_dims(row_ok, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
+
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
+            # dP^T is issued first so that it retires first: dS^T is computed while dV's wgmma runs. S^T and dP^T
+            # are never live together, and P^T stays only in 16 bits (hd128 fits 255 registers without spills)
+            dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
+            delta = gl.load(delta_ptr + lse_off, mask=row_ok, other=0.0)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+            dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
+
+            dst16 = dst.to(dtype)
+            ds_smem.store(dst16)
+            dst16 = gl.convert_layout(dst16, a_layout)
+            dk = warpgroup_mma(dst16, q_tile, dk, is_async=True)
+            fence_async_shared()
+            _barrier()  # dS^T of every warp is in shared memory before the dQ wgmma reads it
+            # retire dV / dK (and free P^T, dS^T) before dQ's accumulator goes live: fewer registers at the peak
+            dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
+            dq_base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
+            if BLOCK_M < 64:
+                # dQ_i^T = K^T . dS^T (a wgmma's M is 64) in DQ_CHUNK-row pieces of the head dim, K^T read
+                # transposed from shared memory, dS^T as stored; each piece atomically added to the fp32 buffer
+                q_cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, dqt_layout))
+                dq_off = gl.expand_dims(q_cols * (num_heads * HEAD_DIM), 0)  # int32, from (batch, head)'s base
+                dq_mask = gl.expand_dims(q_cols < seq_q, 0)
+                for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
+                    dqt = warpgroup_mma(kT.slice(c * DQ_CHUNK, DQ_CHUNK, dim=0), ds_smem,
+                                        gl.zeros([DQ_CHUNK, BLOCK_M], gl.float32, dqt_layout), use_acc=False,
+                                        is_async=True)
+                    dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
+                    d_rows = c * DQ_CHUNK + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(1, dqt_layout))
+                    gl.atomic_add(dq_base + dq_off + gl.expand_dims(d_rows, 1), dqt, mask=dq_mask, sem="relaxed")
+            else:
+                # dQ_i = dS . K (dS^T read transposed from shared memory) in DQ_CHUNK-column pieces
+                q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+                dq_off = gl.expand_dims(q_rows * (num_heads * HEAD_DIM), 1)
+                dq_mask = gl.expand_dims(q_rows < seq_q, 1)
+                for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
+                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1),
+                                       gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, dq_layout), use_acc=False,
+                                       is_async=True)
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                    d_cols = c * DQ_CHUNK + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
+                    gl.atomic_add(dq_base + dq_off + gl.expand_dims(d_cols, 0), dq, mask=dq_mask, sem="relaxed")
+
+        d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        k_rows = n0 + gl.arange(0, BLOCK_N, layout=dq_rows_l)
+        kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * HEAD_DIM
+        kv_mask = gl.expand_dims(k_rows < seq_k, 1)
+        kv_ptrs = gl.expand_dims(kv_off, 1) + gl.expand_dims(d_cols, 0)
+        gl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def kernel_args(head_dim: int, causal: bool) -> tuple:
+    """(kernel, its constexprs); the launcher and tests/gluon_bwd_builds.py share it."""
+    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, STAGES=STAGES, CAUSAL=bool(causal))
+
+
+def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
+    """Whether `gluon_attention_backward` takes these inputs on this machine (else the caller falls back)."""
+    return (_fwd.supported(q, k, v, causal) and dout.shape == q.shape and dout.dtype == q.dtype
+            and dout.device == q.device and _offsets_fit(q))
+
+
+def _check(dout, q, k, v, out, lse, softmax_scale) -> None:
+    if not HAS_GLUON:
+        raise ValueError("gluon_attention_backward needs Triton with Gluon's Hopper module (triton >= 3.6); "
+                         "use hf_fastpath.kernels.flash_attention.flash_attention_backward instead")
+    for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B, S, H, D]; got shape {tuple(t.shape)}")
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)}, "
+                         f"{tuple(out.shape)}")
+    B, Sq, Hq, _ = q.shape
+    if lse.shape != (B, Hq, Sq):
+        raise ValueError(f"lse must be [B, Hq, Sq] = {(B, Hq, Sq)} (as the forward returns it); got "
+                         f"{tuple(lse.shape)}")
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        raise ValueError("gluon_attention_backward runs on Hopper (sm_90) GPUs only; elsewhere use "
+                         "flash_attention_backward")
+    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in (k, v, dout, out)):
+        raise ValueError(f"q, k, v, dout, out must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}, {dout.dtype}, {out.dtype}")
+    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS} and equal for q, k, v; got {q.shape[-1]}, "
+                         f"{k.shape[-1]}, {v.shape[-1]} (use flash_attention_backward for other head dims)")
+    if k.shape != v.shape or q.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must have equal shapes and q's batch; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+                         f", v {tuple(v.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive; got {softmax_scale}")
+    if not _offsets_fit(q):
+        raise ValueError(f"Sq * Hq * D = {q.shape[1] * q.shape[2] * q.shape[3]} must be below 2**31 (the kernel "
+                         f"addresses dQ with 32-bit offsets per (batch, head)); use flash_attention_backward")
+
+
+def _offsets_fit(q: torch.Tensor) -> bool:
+    return q.shape[1] * q.shape[2] * q.shape[3] < 2**31
+
+
+def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
+                             softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
+    [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
+    [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
+    _check(dout, q, k, v, out, lse, softmax_scale)
+    from .flash_attention import _bwd_preprocess, _strides4  # the plain-Triton preprocess (delta, lse2)
+
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
+    dv = torch.empty(v.shape, device=q.device, dtype=q.dtype)
+    if B == 0 or Sq == 0 or Hq == 0 or Sk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    pre_bm = 64
+    _bwd_preprocess[(triton.cdiv(Sq, pre_bm), Hq, B)](
+        out, dout, lse, delta, lse2, q, *_strides4(out, False), *_strides4(dout, False),
+        lse.stride(0), lse.stride(1), lse.stride(2), Sq, D_V=D, BLOCK_DV=D, BLOCK_M=pre_bm, IS_VARLEN=False)
+
+    elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q2, q_map = _fwd._row_view(q)
+    do2, do_map = _fwd._row_view(dout)
+    k2, k_map = _fwd._row_view(k)
+    v2, v_map = _fwd._row_view(v)
+    qm_block, kn_block = [BLOCK_MS[D], D], [BLOCK_N, D]
+    qm_layout = gl.NVMMASharedLayout.get_default_for(qm_block, elem)
+    kn_layout = gl.NVMMASharedLayout.get_default_for(kn_block, elem)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), qm_block, qm_layout)
+    do_desc = TensorDescriptor(do2, list(do2.shape), list(do2.stride()), qm_block, qm_layout)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kn_block, kn_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kn_block, kn_layout)
+
+    dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
+    kernel, meta = kernel_args(D, bool(causal))
+    grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
+    kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, Sq, Sk, Hq, Hkv, Hq // Hkv,
+                 *q_map, *k_map, *v_map, *do_map, softmax_scale * LOG2E, softmax_scale, **meta,
+                 num_warps=NUM_WARPS)
+    dq.copy_(dq_acc.mul_(softmax_scale))
+    return dq, dk, dv

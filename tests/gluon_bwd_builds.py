@@ -1,0 +1,84 @@
+"""Compiles the Gluon Hopper attention backward (`hf_fastpath.kernels.gluon_attention_bwd`) for sm_90 without a GPU
+and prints one JSON line per build: `{"name", "shared", "spills", "ptxas_regs", "serialized", ...}` or
+`{"name", "error"}`. Arguments: substrings of the names to build; GLUON_BUILDS_DUMP=dir writes each ttgir and PTX.
+Run with TRITON_INTERPRET unset or 0 (Gluon has no interpreter); `tests/test_gluon_bwd_builds.py` starts it in a
+subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
+from gluon_builds import _descriptor_type  # noqa: E402
+from gluon_w4a16_builds import _ptxas_report  # noqa: E402
+
+
+def build(head_dim, causal, dtype=torch.bfloat16):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn, constexprs = gb.kernel_args(head_dim, causal)
+    ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in ("q_desc", "do_desc"):
+            sig[p.name] = _descriptor_type(dtype, [gb.BLOCK_MS[head_dim], head_dim])
+        elif p.name in ("k_desc", "v_desc"):
+            sig[p.name] = _descriptor_type(dtype, [gb.BLOCK_N, head_dim])
+        elif p.name in ("dk_ptr", "dv_ptr"):
+            sig[p.name] = ptr
+        elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
+            sig[p.name] = "*fp32"
+        else:
+            sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale") else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
+    src = GluonASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=gb.NUM_WARPS))
+
+
+def cases():
+    for head_dim in gb.HEAD_DIMS:
+        for causal in (False, True):
+            yield f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16
+        yield f"bwd hd{head_dim} causal fp16", head_dim, True, torch.float16
+
+
+def main():
+    only = sys.argv[1:]
+    for name, head_dim, causal, dtype in cases():
+        if only and not any(o in name for o in only):
+            continue
+        try:
+            kernel = build(head_dim, causal, dtype)
+            ptx = kernel.asm.get("ptx", "")
+            print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
+                                  shared_estimate=gb.shared_bytes(head_dim), n_regs=getattr(kernel, "n_regs", None),
+                                  wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__,
+                                  **_ptxas_report(kernel))), flush=True)
+            if os.environ.get("GLUON_BUILDS_DUMP"):
+                d = os.environ["GLUON_BUILDS_DUMP"]
+                for ext in ("ttgir", "ptx"):
+                    with open(os.path.join(d, name.replace(" ", "_") + "." + ext), "w") as f:
+                        f.write(kernel.asm[ext])
+        except Exception as exc:  # noqa: BLE001 - report every build
+            root = exc
+            while root.__cause__ is not None or root.__context__ is not None:
+                root = root.__cause__ or root.__context__
+            msg = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+            if root is not exc:
+                msg = f"{type(root).__name__}: {str(root)[-1500:]} | in {msg[:600]}"
+            print(json.dumps(dict(name=name, error=msg)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

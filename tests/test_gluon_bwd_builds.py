@@ -1,0 +1,82 @@
+"""The Gluon Hopper attention backward (`gluon_attention_bwd`) compiles for sm_90, fits its shared memory, does not
+spill and keeps its wgmmas asynchronous, checked without a GPU; and its host-side checks work off the GPU.
+
+Gluon has no interpreter: `gluon_bwd_builds.py` builds each variant with Triton's own compiler in a subprocess
+(TRITON_INTERPRET=0), for the Triton installed here, and runs ptxas on it (registers, spills, serialized wgmmas).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_fastpath.kernels import gluon_attention_bwd as gb
+
+HOPPER_SHARED_BYTES = 232448  # per block, opt-in (227 KB)
+
+
+@pytest.mark.skipif(not gb.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
+def test_gluon_attention_backward_builds_for_sm90():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_bwd_builds.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert builds, proc.stderr[-3000:]
+    failed = [b for b in builds if "error" in b]
+    assert not failed, failed
+    assert {b["name"] for b in builds} == {f"bwd hd{d} {kind}" for d in gb.HEAD_DIMS
+                                           for kind in ("full bf16", "causal bf16", "causal fp16")}
+    assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
+    assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds  # the estimate must not undercount
+    assert not [b for b in builds if b["spills"]], builds  # Triton-level (PTX local memory)
+    if "ptxas_error" in builds[0]:
+        pytest.skip(f"no ptxas to check registers with: {builds[0]['ptxas_error']}")
+    assert not [b for b in builds if b["ptxas_spill_bytes"]], builds  # ptxas-level spills
+    assert not [b for b in builds if b["serialized"] or b["ptxas_notes"]], builds  # a wait after every HGMMA
+    assert all(b["hgmma"] > 0 for b in builds), builds
+
+
+def _args(b=1, sq=5, sk=7, hq=4, hkv=2, d=64, dtype=torch.bfloat16):
+    q = torch.zeros(b, sq, hq, d, dtype=dtype)
+    k = torch.zeros(b, sk, hkv, d, dtype=dtype)
+    v = torch.zeros(b, sk, hkv, d, dtype=dtype)
+    lse = torch.zeros(b, hq, sq, dtype=torch.float32)
+    return torch.zeros_like(q), q, k, v, torch.zeros_like(q), lse
+
+
+def test_not_supported_off_gpu():
+    dout, q, k, v, _, _ = _args()
+    assert gb.supported(dout, q, k, v) is False
+    assert gb.supported(dout, q, k, v, causal=True) is False
+
+
+def test_offline_shared_estimate_and_blocks():
+    assert set(gb.BLOCK_MS) == set(gb.HEAD_DIMS)
+    for d in gb.HEAD_DIMS:
+        assert gb.shared_bytes(d) <= HOPPER_SHARED_BYTES
+    assert gb.kernel_args(64, True)[1] == dict(HEAD_DIM=64, STAGES=gb.STAGES, CAUSAL=True)
+
+
+@pytest.mark.parametrize("case, match", [
+    (dict(q=torch.zeros(2, 5, 4)), "must be \\[B, S, H, D\\]"),
+    (dict(dout=torch.zeros(1, 6, 4, 64, dtype=torch.bfloat16)), "shaped like q"),
+    (dict(lse=torch.zeros(1, 5, 4)), "lse must be \\[B, Hq, Sq\\]"),
+    (dict(), "sm_90"),  # CPU tensors: the device check
+])
+def test_argument_errors(case, match):
+    dout, q, k, v, out, lse = _args()
+    args = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    args.update(case)
+    with pytest.raises(ValueError, match=match):
+        gb.gluon_attention_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"])
+
+
+def test_offsets_bound():
+    q = torch.empty(1, 2**16, 256, 128, dtype=torch.bfloat16, device="meta")
+    assert not gb._offsets_fit(q)
+    assert gb._offsets_fit(q[:, :1024])
