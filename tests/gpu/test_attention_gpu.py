@@ -5,7 +5,6 @@ Skipped without CUDA. With HF_FASTPATH_GPU_REPORT=path, every case's errors go t
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -14,19 +13,10 @@ import torch
 from hf_fastpath.attention import reference
 from hf_fastpath.attention.ops import flash_attn
 
+from tests.gpu.common import REPORT
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA GPU (and TRITON_INTERPRET unset or 0)")
-
-REPORT: list = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    yield
-    path = os.environ.get("HF_FASTPATH_GPU_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(REPORT, f, indent=1)
 
 
 def _rel(got, want):

@@ -7,9 +7,6 @@ With HF_FASTPATH_GPU_REPORT=path, every case's errors go to that JSON file as we
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -18,31 +15,13 @@ from hf_fastpath.kernels import gluon_attention as ga
 from hf_fastpath.kernels import gluon_attention_bwd as gb
 from hf_fastpath.kernels.flash_attention import flash_attention_backward
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or not gb.HAS_GLUON
-    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET unset")
+from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon
 
-REPORT: list = []
+pytestmark = needs_sm90_gluon(gb.HAS_GLUON)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    yield
-    path = os.environ.get("HF_FASTPATH_GPU_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(REPORT, f, indent=1)
-
-
-def _inputs(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, bhsd=False, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def make(s, h):
-        shape = (b, h, s, d) if bhsd else (b, s, h, d)
-        t = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-        return t.transpose(1, 2) if bhsd else t
-
-    return make(sq, hq), make(sk, hkv), make(sk, hkv), make(sq, hq)  # q, k, v, dout
+def _inputs(*args, **kwargs):
+    return attention_inputs(*args, **kwargs, dout=True)  # q, k, v, dout
 
 
 def _rel(x, ref):

@@ -7,40 +7,15 @@ With HF_FASTPATH_GPU_REPORT=path, every case's errors go to that JSON file as we
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 from hf_fastpath.attention import reference
 from hf_fastpath.kernels import gluon_attention as ga
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or not ga.HAS_GLUON
-    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET unset")
+from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon
 
-REPORT: list = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    yield
-    path = os.environ.get("HF_FASTPATH_GPU_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(REPORT, f, indent=1)
-
-
-def _inputs(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, bhsd=False, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def make(s, h):
-        shape = (b, h, s, d) if bhsd else (b, s, h, d)
-        t = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-        return t.transpose(1, 2) if bhsd else t
-
-    return make(sq, hq), make(sk, hkv), make(sk, hkv)
+pytestmark = needs_sm90_gluon(ga.HAS_GLUON)
 
 
 def _cfg(variant, d, causal):
@@ -90,7 +65,7 @@ def _skip_missing(variant, d, causal):
 def test_matches_float64_reference(shape, causal, d, variant):
     _skip_missing(variant, d, causal)
     b, sq, sk, hq, hkv = shape
-    _check(f"{shape} causal={causal} d={d}", *_inputs(b, sq, sk, hq, hkv, d), causal, variant=variant)
+    _check(f"{shape} causal={causal} d={d}", *attention_inputs(b, sq, sk, hq, hkv, d), causal, variant=variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -98,7 +73,7 @@ def test_matches_float64_reference(shape, causal, d, variant):
 @pytest.mark.parametrize("bhsd", [False, True])
 def test_dtypes_and_layouts(dtype, bhsd, variant):
     _skip_missing(variant, 128, True)
-    _check(f"dtype={dtype} bhsd={bhsd}", *_inputs(2, 300, 333, 8, 2, 128, dtype=dtype, bhsd=bhsd), True,
+    _check(f"dtype={dtype} bhsd={bhsd}", *attention_inputs(2, 300, 333, 8, 2, 128, dtype=dtype, bhsd=bhsd), True,
            variant=variant)
 
 
@@ -106,7 +81,7 @@ def test_dtypes_and_layouts(dtype, bhsd, variant):
 def test_fully_masked_rows_are_zero_with_lse_minus_inf(variant):
     _skip_missing(variant, 64, True)
     # causal with Sq > Sk: the first Sq - Sk queries see no key (whole query tiles without a key tile among them)
-    _check("sq>sk causal", *_inputs(2, 700, 130, 4, 2, 64), True, variant=variant)
+    _check("sq>sk causal", *attention_inputs(2, 700, 130, 4, 2, 64), True, variant=variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -114,13 +89,13 @@ def test_many_work_items_per_cta(variant):
     """More work items than SMs, so a persistent CTA runs several (the ring and Q phases carry across items);
     causal with Sq > Sk mixes items without key tiles among them."""
     _skip_missing(variant, 64, True)
-    _check("many items full", *_inputs(4, 1000, 1000, 40, 8, 64, seed=1), False, variant=variant)
-    _check("many items causal sq>sk", *_inputs(3, 1500, 700, 48, 16, 64, seed=2), True, variant=variant)
+    _check("many items full", *attention_inputs(4, 1000, 1000, 40, 8, 64, seed=1), False, variant=variant)
+    _check("many items causal sq>sk", *attention_inputs(3, 1500, 700, 48, 16, 64, seed=2), True, variant=variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_repeat_runs_are_bitwise_equal(variant):
-    q, k, v = _inputs(2, 2049, 2049, 16, 4, 128, seed=3)
+    q, k, v = attention_inputs(2, 2049, 2049, 16, 4, 128, seed=3)
     for causal in (False, True):
         _skip_missing(variant, 128, causal)
         cfg = _cfg(variant, 128, causal)
@@ -134,7 +109,7 @@ def test_repeat_runs_are_bitwise_equal(variant):
 def test_variant_matches_the_default_bitwise(variant):
     """A variant changes scheduling and the store only, not arithmetic: its outputs equal the default's (a
     variant with fewer K/V stages too: the key-tile order and the math are the same)."""
-    q, k, v = _inputs(2, 1111, 1234, 16, 4, 128, seed=4)
+    q, k, v = attention_inputs(2, 1111, 1234, 16, 4, 128, seed=4)
     for causal in (False, True):
         _skip_missing(variant, 128, causal)
         want = ga.gluon_attention_forward(q, k, v, causal=causal)
@@ -144,7 +119,7 @@ def test_variant_matches_the_default_bitwise(variant):
 
 
 def test_rejects_unsupported_inputs_with_a_clear_error():
-    q, k, v = _inputs(1, 16, 16, 4, 4, 64)
+    q, k, v = attention_inputs(1, 16, 16, 4, 4, 64)
     with pytest.raises(ValueError, match="head dim"):
         ga.gluon_attention_forward(q[..., :48], k[..., :48], v[..., :48])
     with pytest.raises(ValueError, match="multiple"):

@@ -8,30 +8,17 @@ max |y|). With HF_FASTPATH_GPU_REPORT=path, every case's error goes to that JSON
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 from hf_fastpath.kernels import gluon_w4a16 as gw
 from hf_fastpath.kernels.w4a16_layout import w4a16_pack, w4a16_unpack
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or not gw.HAS_GLUON
-    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET unset")
+from tests.gpu.common import REPORT, needs_sm90_gluon
+
+pytestmark = needs_sm90_gluon(gw.HAS_GLUON)
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}  # as tests/test_w4a16_kernels.py
-REPORT: list = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    yield
-    path = os.environ.get("HF_FASTPATH_GPU_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(REPORT, f, indent=1)
 
 
 _LAYERS: dict = {}

@@ -1,0 +1,35 @@
+"""What the GPU tests share: the error report, the Hopper + Gluon skip, random attention inputs.
+
+With HF_FASTPATH_GPU_REPORT=path every case's errors are written there as JSON when the session ends
+(`conftest.py`; one file per pytest-xdist worker: path.gw0, path.gw1, ...)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+REPORT: list = []
+
+
+def needs_sm90_gluon(has_gluon: bool):
+    """Skip unless an sm_90 GPU runs compiled kernels (not the interpreter) and this Triton has Gluon's Hopper
+    module."""
+    return pytest.mark.skipif(
+        not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or not has_gluon
+        or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET unset")
+
+
+def attention_inputs(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, bhsd=False, seed=0, dout=False):
+    """Random q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (and dout like q) on the GPU; `bhsd`: [B, H, S, D] memory
+    seen through a transpose, as Transformers hands them over."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(s, h):
+        shape = (b, h, s, d) if bhsd else (b, s, h, d)
+        t = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+        return t.transpose(1, 2) if bhsd else t
+
+    tensors = (make(sq, hq), make(sk, hkv), make(sk, hkv))
+    return tensors + (make(sq, hq),) if dout else tensors
