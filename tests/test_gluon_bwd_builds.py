@@ -34,8 +34,8 @@ def test_gluon_attention_backward_builds_for_sm90():
     assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
     assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds  # the estimate must not undercount
     assert not [b for b in builds if b["spills"]], builds  # Triton-level (PTX local memory)
-    if "ptxas_error" in builds[0]:
-        pytest.skip(f"no ptxas to check registers with: {builds[0]['ptxas_error']}")
+    # Triton's wheel ships ptxas: without its report nothing below would be checked
+    assert not [b for b in builds if "ptxas_error" in b], builds
     assert not [b for b in builds if b["ptxas_spill_bytes"]], builds  # ptxas-level spills
     assert not [b for b in builds if b["serialized"] or b["ptxas_notes"]], builds  # a wait after every HGMMA
     assert all(b["hgmma"] > 0 for b in builds), builds

@@ -37,7 +37,8 @@ def test_gluon_w4a16_builds_for_sm90(builds):
     assert not failed, failed
     assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
     assert not [b for b in builds if b["spills"]], builds  # LLVM-level spills (local. in the PTX)
-    assert not [b for b in builds if b.get("ptxas_spill_bytes")], builds  # ptxas spills, where ptxas ran
+    assert not [b for b in builds if "ptxas_error" in b], builds  # Triton's wheel ships ptxas: it must report
+    assert not [b for b in builds if b["ptxas_spill_bytes"]], builds  # ptxas spills
     # one register-A wgmma group per K tile step: 8 x K=16 wgmmas each, one wait with a group in flight
     assert all(b["wgmma"] % 8 == 0 and b["wgmma_wait_1"] > 0 for b in builds), builds
     # ptxas keeps the wgmmas asynchronous (no C7514/C7515 note, no wait right after each HGMMA): otherwise the
