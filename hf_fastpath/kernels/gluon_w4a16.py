@@ -51,6 +51,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from .w4a16 import PTX_NIBBLE_PAIRS
+
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -90,25 +92,7 @@ def _group_ok(group_size: int, k: int) -> bool:
 # The PTX unpack of kernels/w4a16.py (GPU-verified there), per pair of words (a, b) = two consecutive inputs of one
 # 16-input plane, i.e. one 32-bit register of the wgmma A fragment: PRMT gathers both words' low / high halves, and
 # one LOP3 per plane makes the pair of "magic" 16-bit floats bias + q (bias 128 bf16, 1024 fp16): 8 outputs, plane j.
-_UNPACK = """{{
-.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3;
-prmt.b32 lo, $8, $9, 0x5410;
-prmt.b32 hi, $8, $9, 0x7632;
-shr.u32 a1, lo, 4;
-shr.u32 a2, lo, 8;
-shr.u32 a3, lo, 12;
-shr.u32 b1, hi, 4;
-shr.u32 b2, hi, 8;
-shr.u32 b3, hi, 12;
-lop3.b32 $0, lo, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $1, a1, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $2, a2, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $3, a3, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $4, hi, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $5, b1, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $6, b2, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $7, b3, 0x000F000F, {magic}, 0xEA;
-}}"""
+_UNPACK = "{{\n.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3;\n" + PTX_NIBBLE_PAIRS + "}}"
 # (bias + q) - (bias + z) = q - z exactly (integer zero points, as every checkpoint format has), then * s with one
 # rounding: $1 magic pair, $2 = -(z + bias) pair, $3 = s pair (-0.0 addend keeps the product exact before rounding).
 _PLANE = """{{

@@ -77,9 +77,7 @@ _BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: t
 # Two words in ($8, $9) -> eight registers, each two 16-bit floats: nibble j of word $8 (low half) and of $9 (high).
 # lo/hi gather the low/high 16 bits of both words, so nibbles (j, j) of the two words sit 16 bits apart and one
 # LOP3 ((v & 0x000F000F) | magic) makes the pair of magic numbers bias + q.
-_PTX_HEAD = """{{
-.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3, c1, c2, s2, z2;
-prmt.b32 lo, $8, $9, 0x5410;
+PTX_NIBBLE_PAIRS = """prmt.b32 lo, $8, $9, 0x5410;
 prmt.b32 hi, $8, $9, 0x7632;
 shr.u32 a1, lo, 4;
 shr.u32 a2, lo, 8;
@@ -95,7 +93,8 @@ lop3.b32 $4, hi, 0x000F000F, {magic}, 0xEA;
 lop3.b32 $5, b1, 0x000F000F, {magic}, 0xEA;
 lop3.b32 $6, b2, 0x000F000F, {magic}, 0xEA;
 lop3.b32 $7, b3, 0x000F000F, {magic}, 0xEA;
-"""
+"""  # registers lo, hi, a1-a3, b1-b3 declared by the caller; also used by kernels/gluon_w4a16.py
+_PTX_HEAD = "{{\n.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3, c1, c2, s2, z2;\n" + PTX_NIBBLE_PAIRS
 # Dequantize each pair: q = (bias + q) - bias exactly, then q * s + (-z * s) with one rounding. $10/$11 hold the
 # scale and -zero*scale pairs of the two words.
 _PTX_DEQUANT = "".join(
