@@ -499,20 +499,26 @@ def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return _row_view(x.contiguous())
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, *,
+                 caller: str = "gluon_attention_forward", fallback: str = "flash_attention_forward",
+                 also: tuple = ()) -> None:
+    """ValueErrors naming the problem and the fix for what the Gluon kernels take; `also`: more (name, tensor)
+    pairs that must be 4-D and of q's dtype (the backward's dout and out)."""
     if not HAS_GLUON:
-        raise ValueError("gluon_attention_forward needs Triton with Gluon's Hopper module (triton >= 3.6); "
-                         "use hf_fastpath.kernels.flash_attention.flash_attention_forward instead")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [B, S, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"{caller} needs Triton with Gluon's Hopper module (triton >= 3.6); use "
+                         f"hf_fastpath.kernels.flash_attention.{fallback} instead")
+    named = (("q", q), ("k", k), ("v", v)) + tuple(also)
+    for name, t in named:
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B, S, H, D]; got shape {tuple(t.shape)}")
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
-        raise ValueError("gluon_attention_forward runs on Hopper (sm_90) GPUs only; elsewhere use "
-                         "flash_attention_forward")
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"{caller} runs on Hopper (sm_90) GPUs only; elsewhere use {fallback}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for _, t in named):
+        raise ValueError(f"{', '.join(n for n, _ in named)} must all be bfloat16 or all float16; got "
+                         f"{', '.join(str(t.dtype) for _, t in named)}")
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         raise ValueError(f"head dim must be one of {HEAD_DIMS} and equal for q, k, v; got {q.shape[-1]}, "
-                         f"{k.shape[-1]}, {v.shape[-1]} (use flash_attention_forward for other head dims)")
+                         f"{k.shape[-1]}, {v.shape[-1]} (use {fallback} for other head dims)")
     if k.shape != v.shape or q.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have equal shapes and q's batch; got q {tuple(q.shape)}, k {tuple(k.shape)}"
                          f", v {tuple(v.shape)}")
@@ -531,7 +537,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     replaces `config(D, causal)` (see `variants`)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    _check(q, k, v, softmax_scale)
+    check_inputs(q, k, v, softmax_scale)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     out = torch.empty(B, Sq, Hq, D, device=q.device, dtype=q.dtype)

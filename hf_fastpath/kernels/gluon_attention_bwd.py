@@ -236,9 +236,6 @@ def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _check(dout, q, k, v, out, lse, softmax_scale) -> None:
-    if not HAS_GLUON:
-        raise ValueError("gluon_attention_backward needs Triton with Gluon's Hopper module (triton >= 3.6); "
-                         "use hf_fastpath.kernels.flash_attention.flash_attention_backward instead")
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [B, S, H, D]; got shape {tuple(t.shape)}")
@@ -249,22 +246,8 @@ def _check(dout, q, k, v, out, lse, softmax_scale) -> None:
     if lse.shape != (B, Hq, Sq):
         raise ValueError(f"lse must be [B, Hq, Sq] = {(B, Hq, Sq)} (as the forward returns it); got "
                          f"{tuple(lse.shape)}")
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
-        raise ValueError("gluon_attention_backward runs on Hopper (sm_90) GPUs only; elsewhere use "
-                         "flash_attention_backward")
-    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in (k, v, dout, out)):
-        raise ValueError(f"q, k, v, dout, out must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}, {dout.dtype}, {out.dtype}")
-    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS} and equal for q, k, v; got {q.shape[-1]}, "
-                         f"{k.shape[-1]}, {v.shape[-1]} (use flash_attention_backward for other head dims)")
-    if k.shape != v.shape or q.shape[0] != k.shape[0]:
-        raise ValueError(f"k and v must have equal shapes and q's batch; got q {tuple(q.shape)}, k {tuple(k.shape)}"
-                         f", v {tuple(v.shape)}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
-    if not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be positive; got {softmax_scale}")
+    _fwd.check_inputs(q, k, v, softmax_scale, caller="gluon_attention_backward", fallback="flash_attention_backward",
+                      also=(("dout", dout), ("out", out)))
     if not _offsets_fit(q):
         raise ValueError(f"Sq * Hq * D = {q.shape[1] * q.shape[2] * q.shape[3]} must be below 2**31 (the kernel "
                          f"addresses dQ with 32-bit offsets per (batch, head)); use flash_attention_backward")
