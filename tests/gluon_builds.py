@@ -17,17 +17,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_attention as ga  # noqa: E402
-
-
-def _descriptor_type(dtype, block):
-    """The signature string the launcher derives from a host TensorDescriptor (a CPU tensor stands in)."""
-    from triton.runtime.jit import mangle_type
-
-    elem = ga.gl.bfloat16 if dtype == torch.bfloat16 else ga.gl.float16
-    base = torch.empty([2 * n for n in block], dtype=dtype)
-    desc = ga.TensorDescriptor(base, list(base.shape), list(base.stride()), block,
-                               ga.gl.NVMMASharedLayout.get_default_for(block, elem))
-    return mangle_type(desc)
+from offline_builds import build_error, descriptor_type, dump_asm  # noqa: E402
 
 
 def build(head_dim, causal, dtype=torch.bfloat16, cfg=None):
@@ -41,12 +31,12 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name == "q_desc":
-            sig[p.name] = _descriptor_type(dtype, [ga.ROWS_PER_WARPGROUP, head_dim])
+            sig[p.name] = descriptor_type(dtype, [ga.ROWS_PER_WARPGROUP, head_dim])
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = _descriptor_type(dtype, [cfg.block_n, head_dim])
+            sig[p.name] = descriptor_type(dtype, [cfg.block_n, head_dim])
         elif p.name == "out_desc":  # None (a constexpr) unless the output goes out by TMA
             if cfg.tma_store:
-                sig[p.name] = _descriptor_type(dtype, [1, ga.ROWS_PER_WARPGROUP, head_dim])
+                sig[p.name] = descriptor_type(dtype, [1, ga.ROWS_PER_WARPGROUP, head_dim])
             else:
                 sig[p.name], constexprs = "constexpr", dict(constexprs, out_desc=None)
         elif p.name == "out_ptr":
@@ -86,13 +76,9 @@ def main():
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   setmaxnreg=ptx.count("setmaxnreg"),
                                   shared_estimate=ga._shared_bytes(head_dim, cfg, o_buffer))), flush=True)
-            if os.environ.get("GLUON_BUILDS_DUMP"):
-                d = os.environ["GLUON_BUILDS_DUMP"]
-                for ext in ("ttgir", "ptx"):
-                    with open(os.path.join(d, name.replace(" ", "_") + "." + ext), "w") as f:
-                        f.write(kernel.asm[ext])
+            dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build
-            print(json.dumps(dict(name=name, error=f"{type(exc).__name__}: {exc}"[-3000:])), flush=True)
+            print(json.dumps(dict(name=name, error=build_error(exc))), flush=True)
 
 
 if __name__ == "__main__":

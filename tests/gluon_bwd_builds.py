@@ -18,8 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
-from gluon_builds import _descriptor_type  # noqa: E402
-from gluon_w4a16_builds import _ptxas_report  # noqa: E402
+from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
 
 
 def build(head_dim, causal, dtype=torch.bfloat16):
@@ -32,9 +31,9 @@ def build(head_dim, causal, dtype=torch.bfloat16):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in ("q_desc", "do_desc"):
-            sig[p.name] = _descriptor_type(dtype, [gb.BLOCK_MS[head_dim], head_dim])
+            sig[p.name] = descriptor_type(dtype, [gb.BLOCK_MS[head_dim], head_dim])
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = _descriptor_type(dtype, [gb.BLOCK_N, head_dim])
+            sig[p.name] = descriptor_type(dtype, [gb.BLOCK_N, head_dim])
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
@@ -64,20 +63,10 @@ def main():
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   shared_estimate=gb.shared_bytes(head_dim), n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__,
-                                  **_ptxas_report(kernel))), flush=True)
-            if os.environ.get("GLUON_BUILDS_DUMP"):
-                d = os.environ["GLUON_BUILDS_DUMP"]
-                for ext in ("ttgir", "ptx"):
-                    with open(os.path.join(d, name.replace(" ", "_") + "." + ext), "w") as f:
-                        f.write(kernel.asm[ext])
+                                  **ptxas_report(kernel))), flush=True)
+            dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build
-            root = exc
-            while root.__cause__ is not None or root.__context__ is not None:
-                root = root.__cause__ or root.__context__
-            msg = f"{type(exc).__name__}: {str(exc)[-1500:]}"
-            if root is not exc:
-                msg = f"{type(root).__name__}: {str(root)[-1500:]} | in {msg[:600]}"
-            print(json.dumps(dict(name=name, error=msg)), flush=True)
+            print(json.dumps(dict(name=name, error=build_error(exc))), flush=True)
 
 
 if __name__ == "__main__":

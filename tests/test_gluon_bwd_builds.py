@@ -7,26 +7,17 @@ Gluon has no interpreter: `gluon_bwd_builds.py` builds each variant with Triton'
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from hf_fastpath.kernels import gluon_attention_bwd as gb
 
-HOPPER_SHARED_BYTES = 232448  # per block, opt-in (227 KB)
+from tests.offline_builds import HOPPER_SHARED_BYTES, run_build_script
 
 
 @pytest.mark.skipif(not gb.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
 def test_gluon_attention_backward_builds_for_sm90():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_bwd_builds.py")
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
-    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert builds, proc.stderr[-3000:]
+    builds = run_build_script("gluon_bwd_builds.py")
     failed = [b for b in builds if "error" in b]
     assert not failed, failed
     assert {b["name"] for b in builds} == {f"bwd hd{d} {kind}" for d in gb.HEAD_DIMS

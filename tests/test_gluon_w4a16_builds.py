@@ -7,28 +7,18 @@ Triton's own compiler in a subprocess (TRITON_INTERPRET=0), for the Triton insta
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from hf_fastpath.kernels import gluon_w4a16 as gw
 from hf_fastpath.kernels.w4a16_layout import w4a16_pack
 
-HOPPER_SHARED_BYTES = 232448  # per block, opt-in (227 KB)
+from tests.offline_builds import HOPPER_SHARED_BYTES, run_build_script
 
 
 @pytest.fixture(scope="module")
 def builds():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_w4a16_builds.py")
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=1200)
-    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert out, proc.stderr[-3000:]
-    return out
+    return run_build_script("gluon_w4a16_builds.py", timeout=1200)
 
 
 @pytest.mark.skipif(not gw.HAS_GLUON, reason="this Triton has no Gluon Hopper module")

@@ -7,20 +7,11 @@ fail on the first GPU. `sm90_builds.py` compiles each kernel variant with Triton
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-HOPPER_SHARED_BYTES = 232448  # per block, opt-in (227 KB)
+from tests.offline_builds import HOPPER_SHARED_BYTES, run_build_script
 
 
 def test_attention_kernels_build_for_sm90():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_builds.py")
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
-    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert builds, proc.stderr[-3000:]
+    builds = run_build_script("sm90_builds.py")
     failed = [b for b in builds if "error" in b]
     assert not failed, failed
     too_big = [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES]

@@ -1,0 +1,104 @@
+"""What the offline sm_90 build scripts (`sm90_builds.py`, `gluon*_builds.py`: compile without a GPU, one JSON line
+per build) and their tests share."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+
+HOPPER_SHARED_BYTES = 232448  # per block, opt-in (227 KB)
+
+
+def run_build_script(name: str, timeout: int = 900) -> list[dict]:
+    """Run tests/<name> in a subprocess with the compiler (not the interpreter: its `triton.jit` cannot be
+    compiled) and return its JSON lines."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert builds, proc.stderr[-3000:]
+    return builds
+
+
+def descriptor_type(dtype: torch.dtype, block: list, gl_dtype=None) -> str:
+    """The signature string the launcher derives from a host TensorDescriptor (a CPU tensor stands in)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    if gl_dtype is None:
+        gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    base = torch.empty([2 * n for n in block], dtype=dtype)
+    desc = TensorDescriptor(base, list(base.shape), list(base.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    return mangle_type(desc)
+
+
+def dump_asm(kernel, name: str) -> None:
+    """With GLUON_BUILDS_DUMP=dir, write the build's ttgir, PTX (and cubin) there."""
+    d = os.environ.get("GLUON_BUILDS_DUMP")
+    if not d:
+        return
+    stem = os.path.join(d, name.replace(" ", "_"))
+    for ext in ("ttgir", "ptx"):
+        with open(f"{stem}.{ext}", "w") as f:
+            f.write(kernel.asm[ext])
+    if "cubin" in kernel.asm:
+        with open(f"{stem}.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
+
+
+def build_error(exc: Exception) -> str:
+    """Triton wraps the real error in one CompilationError per call level: name the innermost too."""
+    root = exc
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__
+    msg = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+    if root is not exc:
+        msg = f"{type(root).__name__}: {str(root)[-1500:]} | in {msg[:600]}"
+    return msg
+
+
+def ptxas_report(kernel):
+    """Run the bundled ptxas -v / cuobjdump on the build: registers, spills, and whether ptxas serialized the
+    wgmmas (its C7514/C7515 notes; in the SASS a `WARPGROUP.DEPBAR.LE gsb0, 0x0` right after each HGMMA), which
+    would mean the dequantization never overlaps the MMA."""
+    import re
+    import tempfile
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    try:  # the ptxas Triton itself uses for sm_90 (3.9 picks its CUDA 13 `ptxas-blackwell`, 3.6 CUDA 12.8's)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception:  # noqa: BLE001 - older / newer Triton: the bundled default
+        ptxas = os.path.join(bindir, "ptxas")
+    out = {"ptxas": os.path.basename(ptxas)}
+    with tempfile.TemporaryDirectory() as d:
+        ptx, obj = os.path.join(d, "k.ptx"), os.path.join(d, "k.o")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        try:
+            log = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", obj],
+                                 capture_output=True, text=True, timeout=300).stderr
+            sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", obj], capture_output=True, text=True,
+                                  timeout=300).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            return dict(ptxas_error=str(exc)[-300:])
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    out["ptxas_regs"] = int(regs.group(1)) if regs else None
+    out["ptxas_spill_bytes"] = sum(map(int, spill.groups())) if spill else None
+    out["ptxas_notes"] = sorted(set(re.findall(r"\((C75\d\d)\)", log)))
+    ops = [ln.split()[1] if ln.split()[0].startswith("/*") else ln.split()[0]
+           for ln in (x.strip() for x in sass.splitlines()) if "HGMMA" in ln or "DEPBAR" in ln]
+    hgmma = sum(1 for o in ops if o.startswith("HGMMA"))
+    waited = sum(1 for a, b in zip(ops, ops[1:]) if a.startswith("HGMMA") and b.startswith("WARPGROUP.DEPBAR"))
+    out["hgmma"], out["hgmma_then_wait"] = hgmma, waited
+    out["serialized"] = bool(hgmma) and waited * 2 > hgmma  # most HGMMAs waited on at once
+    return out
