@@ -32,7 +32,9 @@ def _log(*a):
 
 
 def flops(b, h, s, d, causal):
-    return 4 * b * h * s * s * d / (2 if causal else 1)
+    from attention import attn_flops  # benchmarks/attention.py: 4*B*H*S^2*D, halved when causal
+
+    return attn_flops(b, h, s, s, d, causal, "fwd")
 
 
 def implementations():
