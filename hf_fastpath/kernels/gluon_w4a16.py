@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .w4a16 import PTX_NIBBLE_PAIRS
+from .w4a16 import PTX_CONSTS, PTX_NIBBLE_PAIRS, PTX_PLANE
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon
@@ -93,22 +93,12 @@ def _group_ok(group_size: int, k: int) -> bool:
 # 16-input plane, i.e. one 32-bit register of the wgmma A fragment: PRMT gathers both words' low / high halves, and
 # one LOP3 per plane makes the pair of "magic" 16-bit floats bias + q (bias 128 bf16, 1024 fp16): 8 outputs, plane j.
 _UNPACK = "{{\n.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3;\n" + PTX_NIBBLE_PAIRS + "}}"
-# (bias + q) - (bias + z) = q - z exactly (integer zero points, as every checkpoint format has), then * s with one
-# rounding: $1 magic pair, $2 = -(z + bias) pair, $3 = s pair (-0.0 addend keeps the product exact before rounding).
-_PLANE = """{{
-.reg .b32 t, one, nz;
-mov.b32 one, {one};
-mov.b32 nz, 0x80008000;
-fma.rn.{t}x2 t, $1, one, $2;
-fma.rn.{t}x2 $0, t, $3, nz;
-}}"""
-_MAGIC = {"bf16": ("0x43004300", "0x3F803F80", 128.0), "f16": ("0x64006400", "0x3C003C00", 1024.0)}
 
-if HAS_GLUON:
-    _UNPACK_BF16 = gl.constexpr(_UNPACK.format(magic=_MAGIC["bf16"][0]))
-    _UNPACK_F16 = gl.constexpr(_UNPACK.format(magic=_MAGIC["f16"][0]))
-    _PLANE_BF16 = gl.constexpr(_PLANE.format(t="bf16", one=_MAGIC["bf16"][1]))
-    _PLANE_F16 = gl.constexpr(_PLANE.format(t="f16", one=_MAGIC["f16"][1]))
+if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PTX_PLANE (q - z exact, one rounding)
+    _UNPACK_BF16 = gl.constexpr(_UNPACK.format(magic=PTX_CONSTS["bf16"]["magic"]))
+    _UNPACK_F16 = gl.constexpr(_UNPACK.format(magic=PTX_CONSTS["f16"]["magic"]))
+    _PLANE_BF16 = gl.constexpr(PTX_PLANE.format(t="bf16", one=PTX_CONSTS["bf16"]["one"]))
+    _PLANE_F16 = gl.constexpr(PTX_PLANE.format(t="f16", one=PTX_CONSTS["f16"]["one"]))
     _UNPACK_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
     _PLANE_CONSTRAINTS = gl.constexpr("=r,r,r,r")
 

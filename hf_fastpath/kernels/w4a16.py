@@ -99,12 +99,12 @@ _PTX_HEAD = "{{\n.reg .b32 lo, hi, a1, a2, a3, b1, b2, b3, c1, c2, s2, z2;\n" + 
 # scale and -zero*scale pairs of the two words.
 _PTX_DEQUANT = "".join(
     "fma.rn.{t}x2 $%d, $%d, c1, c2;\nfma.rn.{t}x2 $%d, $%d, $10, $11;\n" % (i, i, i, i) for i in range(8))
-_PTX_CONSTS = {"bf16": dict(magic="0x43004300", one="0x3F803F80", mbias="0xC300C300"),
+PTX_CONSTS = {"bf16": dict(magic="0x43004300", one="0x3F803F80", mbias="0xC300C300"),
                "f16": dict(magic="0x64006400", one="0x3C003C00", mbias="0xE400E400")}
 
 
 def _ptx(kind: str, dequant: bool) -> str:
-    c = _PTX_CONSTS[kind]
+    c = PTX_CONSTS[kind]
     body = ""
     if dequant:
         body = f"mov.b32 c1, {c['one']};\nmov.b32 c2, {c['mbias']};\n" + _PTX_DEQUANT.format(t=kind)
@@ -113,15 +113,15 @@ def _ptx(kind: str, dequant: bool) -> str:
 
 # One plane value pair with its own groups: (bias + q) - (z + bias) = q - z exactly, then * s with one rounding
 # ($1: the magic pair, $2: -(z + bias), $3: s; -0.0 as the addend keeps the product exact before rounding).
-_PTX_PLANE = """{{
+PTX_PLANE = """{{
 .reg .b32 t, one, nz;
 mov.b32 one, {one};
 mov.b32 nz, 0x80008000;
 fma.rn.{t}x2 t, $1, one, $2;
 fma.rn.{t}x2 $0, t, $3, nz;
 }}"""
-PLANE_BF16 = tl.constexpr(_PTX_PLANE.format(t="bf16", one=_PTX_CONSTS["bf16"]["one"]))
-PLANE_F16 = tl.constexpr(_PTX_PLANE.format(t="f16", one=_PTX_CONSTS["f16"]["one"]))
+PLANE_BF16 = tl.constexpr(PTX_PLANE.format(t="bf16", one=PTX_CONSTS["bf16"]["one"]))
+PLANE_F16 = tl.constexpr(PTX_PLANE.format(t="f16", one=PTX_CONSTS["f16"]["one"]))
 PLANE_CONSTRAINTS = tl.constexpr("=r,r,r,r")
 UNPACK_BF16 = tl.constexpr(_ptx("bf16", False))
 UNPACK_F16 = tl.constexpr(_ptx("f16", False))
