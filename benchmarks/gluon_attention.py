@@ -5,6 +5,7 @@ FLOPs = 4*B*H*S^2*D, halved when causal.
 
     python benchmarks/gluon_attention.py            # GPU: writes benchmarks/results/gluon_attention.json
     python benchmarks/gluon_attention.py --variants --json F   # also every opt-in variant (`variants()`)
+    python benchmarks/gluon_attention.py --backward --json F   # also the Gluon backward vs Triton's and cuDNN's
     python benchmarks/gluon_attention.py --plot F   # no GPU needed: F (JSON) -> PNG beside it
 """
 
@@ -119,6 +120,52 @@ def bench(impls, head_dims, seqs, variants=False):
     return rows
 
 
+def bench_backward(head_dims, seqs):
+    """Backward only: the Gluon backward and our Triton backward on the same out / lse, and cuDNN's backward as
+    (forward + backward) - forward through autograd. FLOPs = 2.5x the forward's."""
+    from triton.testing import do_bench
+
+    from hf_fastpath.kernels.flash_attention import flash_attention_backward
+    from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
+    from hf_fastpath.kernels.gluon_attention_bwd import gluon_attention_backward
+
+    cudnn = implementations()["sdpa_cudnn"]
+    rows = []
+    for d in head_dims:
+        h = HEADS[d]
+        for causal in (False, True):
+            for s in seqs:
+                b = max(TOKENS // s, 1)
+                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                out, lse = gluon_attention_forward(q, k, v, causal=causal)
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+                def cudnn_fwd_bwd():
+                    torch.autograd.grad(cudnn(qg, kg, vg, causal), (qg, kg, vg), do)
+
+                fns = {"gluon": lambda: gluon_attention_backward(do, q, k, v, out, lse, causal=causal),
+                       "triton": lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal)}
+                row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal)
+                fl = 2.5 * flops(b, h, s, d, causal)
+                for name, fn in fns.items():
+                    try:
+                        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+                        row[name] = dict(ms=ms, tflops=fl / ms * 1e-9)
+                    except Exception as exc:  # noqa: BLE001
+                        row[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+                both = do_bench(cudnn_fwd_bwd, warmup=10, rep=50, return_mode="median")
+                fwd = do_bench(lambda: cudnn(q, k, v, causal), warmup=10, rep=50, return_mode="median")
+                row["sdpa_cudnn"] = dict(ms=both - fwd, tflops=fl / (both - fwd) * 1e-9, fwd_bwd_ms=both)
+                for name in fns:
+                    if "ms" in row[name]:
+                        row[f"{name}_vs_cudnn"] = row["sdpa_cudnn"]["ms"] / row[name]["ms"]
+                rows.append(row)
+                _log(f"bwd hd{d} S={s} {'causal' if causal else 'full'} "
+                     + "  ".join(f"{n} {row[n].get('tflops', float('nan')):6.1f}" for n in ("gluon", "triton", "sdpa_cudnn"))
+                     + f"  gluon x cuDNN {row.get('gluon_vs_cudnn', float('nan')):.2f}")
+    return rows
+
+
 def _fmt(r):
     def g(name):
         x = r.get(name, {})
@@ -174,6 +221,8 @@ def main():
     ap.add_argument("--seqs", type=int, nargs="*", default=list(SEQS))
     ap.add_argument("--variants", action="store_true",
                     help="also check and time every opt-in variant of gluon_attention.variants()")
+    ap.add_argument("--backward", action="store_true",
+                    help="time the Gluon backward beside our Triton backward and cuDNN's (rows in 'backward')")
     args = ap.parse_args()
     if args.plot and not torch.cuda.is_available():
         plot(args.json, args.plot)
@@ -186,13 +235,14 @@ def main():
     impls = implementations()
     errors = check(impls, args.variants)
     rows = bench(impls, args.head_dims, args.seqs, args.variants)
+    extra = dict(backward=bench_backward(args.head_dims, args.seqs)) if args.backward else {}
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", tokens_per_batch=TOKENS,
                 seconds=round(time.time() - t0, 1), timing="triton.testing.do_bench median, warmup 10, rep 50",
                 config={d: ga.config(d, False)._asdict() for d in args.head_dims})
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(meta=meta, max_rel_error_vs_fp64=errors, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, max_rel_error_vs_fp64=errors, rows=rows, **extra), f, indent=1)
     if args.plot:
         plot(args.json, args.plot)
 

@@ -87,7 +87,10 @@ def _cycle(call, items):
 
 def bench(shapes, ms, gen):
     from hf_fastpath.kernels.gluon_w4a16 import gluon_w4a16_matmul
-    from hf_fastpath.kernels.w4a16 import w4a16_dequantize, w4a16_matmul
+    from hf_fastpath.kernels.w4a16 import _decode_matmul, w4a16_dequantize, w4a16_matmul
+
+    def fused(x, qw, s, z):  # our plain-Triton fused kernel at any M (w4a16_matmul runs it up to DECODE_MAX_M)
+        return _decode_matmul(x, qw, s, z, GROUP, x.new_empty(x.shape[0], qw.shape[1]))
 
     rows = []
     for k, n in shapes:
@@ -100,6 +103,8 @@ def bench(shapes, ms, gen):
             cases = {
                 "cublas_us": _cycle(lambda w, x=x: x @ w, dense),
                 "triton_us": _cycle(lambda L, x=x: w4a16_matmul(x, *L, GROUP), layers),
+                "fused_us": _cycle(lambda L, x=x: fused(x, *L), layers),
+                "dequant_cublas_us": _cycle(lambda L, x=x: x @ w4a16_dequantize(*L, GROUP), layers),
                 "gluon_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP), layers),
                 "gluon_plain_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, unpack="plain"), layers),
             }
@@ -166,6 +171,7 @@ def main():
     p.add_argument("--plot", metavar="JSON", help="make a PNG from a results file (no GPU needed)")
     p.add_argument("--json", default=RESULTS)
     p.add_argument("--quick", action="store_true", help="two shapes, M = 1, 64, 1024")
+    p.add_argument("--ms", type=int, nargs="*", help=f"rows of x to time (default {MS})")
     args = p.parse_args()
     if args.plot:
         print(plot(args.plot))
@@ -177,11 +183,12 @@ def main():
                          date=datetime.date.today().isoformat(), group_size=GROUP, dtype="bfloat16",
                          timing="triton.testing.do_bench_cudagraph, median, weights cycled past L2",
                          note="cublas: x @ W with W dequantized to bf16 outside the timing; triton: w4a16_matmul "
-                              "(fused split-K M <= 192, dequantize + cuBLAS above); gluon: gluon_w4a16_matmul "
+                              "(the package's dispatch); fused: our Triton fused kernel forced at every M; "
+                              "dequant_cublas: dequantize + cuBLAS timed together; gluon: gluon_w4a16_matmul "
                               "(PTX pair unpack), gluon_plain: its fp32 unpack"))
     res["check"] = check(gen)
     shapes = SHAPES[:2] if args.quick else SHAPES
-    ms = (1, 64, 1024) if args.quick else MS
+    ms = args.ms or ((1, 64, 1024) if args.quick else MS)
     res["rows"] = bench(shapes, ms, gen)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

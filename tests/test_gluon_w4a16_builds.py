@@ -153,3 +153,73 @@ def test_split_k_only_for_few_tiles():
     chunk = gw._split_chunk(tiles=32, k_tiles=32, n_sms=132)  # 4096^2 at M <= 64: 4 splits of 8
     assert chunk == 8 and 32 * (32 // chunk) <= 132
     assert gw._split_chunk(tiles=32, k_tiles=112, n_sms=132) == 28  # 14336 x 4096
+
+
+# ---- dispatch: w4a16_matmul runs the Gluon kernel for GLUON_MIN_M..GLUON_MAX_M rows where it is supported ----
+
+def test_w4a16_matmul_asks_for_gluon_only_in_its_row_range(monkeypatch):
+    # on the CPU _gluon_matmul declines (None) and the Triton path answers; the recorder shows which M asked
+    from hf_fastpath.kernels import w4a16
+
+    asked = []
+    real = w4a16._gluon_matmul
+
+    def record(x2, *args):
+        asked.append(x2.shape[0])
+        return real(x2, *args)
+
+    monkeypatch.setattr(w4a16, "_gluon_matmul", record)
+    qw, s, z = _weights(256, 64, 128)
+    for m in (1, w4a16.GLUON_MIN_M - 1, w4a16.GLUON_MIN_M, w4a16.GLUON_MAX_M, w4a16.GLUON_MAX_M + 1):
+        x = torch.randn(m, 256, dtype=torch.bfloat16)
+        want = x.double() @ w4a16.w4a16_dequantize(qw, s, z, 128).double()
+        torch.testing.assert_close(w4a16.w4a16_matmul(x, qw, s, z, 128).double(), want, atol=2e-2, rtol=2e-2)
+    assert asked == [w4a16.GLUON_MIN_M, w4a16.GLUON_MAX_M]
+
+
+def _pretend_hopper(monkeypatch, kernel):
+    from hf_fastpath.kernels import w4a16
+
+    monkeypatch.setattr(w4a16, "interpreting", lambda: False)
+    monkeypatch.setattr(w4a16, "GLUON_BUILD_ERRORS", [])
+    monkeypatch.setattr(gw, "supported", lambda x, qweight, group_size: True)
+    monkeypatch.setattr(gw, "gluon_w4a16_matmul", kernel)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return w4a16
+
+
+def test_gluon_matmul_runs_the_gluon_kernel_where_supported(monkeypatch):
+    calls = []
+
+    def kernel(x2, qweight, scales, zeros, group_size):
+        calls.append((tuple(x2.shape), group_size))
+        return x2.new_zeros(x2.shape[0], qweight.shape[1])
+
+    w4a16 = _pretend_hopper(monkeypatch, kernel)
+    qw, s, z = _weights(256, 64, 128)
+    y = w4a16._gluon_matmul(torch.randn(100, 256, dtype=torch.bfloat16), qw, s, z, 128)
+    assert y.shape == (100, 64) and calls == [((100, 256), 128)]
+    monkeypatch.setattr(gw, "supported", lambda x, qweight, group_size: False)
+    assert w4a16._gluon_matmul(torch.randn(100, 256, dtype=torch.bfloat16), qw, s, z, 128) is None
+
+
+def test_gluon_w4a16_that_does_not_build_warns_once_and_is_not_tried_again(monkeypatch, caplog):
+    import logging
+
+    from triton.compiler.errors import CompilationError
+
+    calls = []
+
+    def does_not_build(*args):
+        calls.append(1)
+        raise CompilationError(None, None, "'hopper' has no attribute 'warpgroup_mma'")
+
+    w4a16 = _pretend_hopper(monkeypatch, does_not_build)
+    qw, s, z = _weights(256, 64, 128)
+    x = torch.randn(100, 256, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="hf_fastpath.kernels.w4a16"):
+        assert w4a16._gluon_matmul(x, qw, s, z, 128) is None
+        assert w4a16._gluon_matmul(x, qw, s, z, 128) is None
+    assert len(calls) == 1 and "warpgroup_mma" in w4a16.GLUON_BUILD_ERRORS[0]
+    warnings = [r.getMessage() for r in caplog.records if "Gluon W4A16" in r.getMessage()]
+    assert len(warnings) == 1 and "warpgroup_mma" in warnings[0]

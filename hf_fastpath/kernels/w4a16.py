@@ -31,6 +31,8 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     is slow at M = 128), loses from 256-384; with big tiles (up to 256 x 128, 8 warps) it stays <= 0.6x cuBLAS,
     because ptxas serializes wgmmas whose A operand comes from registers (a wait after each), so the unpack
     never overlaps the MMA (session 9, benchmarks/results/archive/w4a16_prefill_fused_s9.json).
+  * On Hopper, 65-512 rows run the Gluon kernel instead (`gluon_w4a16`): a TMA producer warp and register-A
+    wgmmas that stay asynchronous, so the unpack overlaps the MMA (GLUON_MIN_M / GLUON_MAX_M).
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
     counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
   * Layers that share their input (q/k/v, gate/up) run as one launch when stored back to back (SEGMENTED mode,
@@ -51,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, interpreting
+from .common import cdiv, interpreting, warn_once
 from .device import cuda_index, current_stream, num_sms
 from .launch import LaunchCache
 from .w4a16_layout import k_tile_order, w4a16_pack, w4a16_unpack  # noqa: F401  (re-exported: the public API)
@@ -64,6 +66,12 @@ logger = logging.getLogger(__name__)
 
 DECODE_MAX_M = 192  # forward: above this many rows dequantize + cuBLAS (H200: faster from M = 256 on 4096^2,
 # from 384 on every Llama-3 shape; benchmarks/results/archive/w4a16_prefill_crossover_s4.json)
+# Hopper: from 65 to 512 rows the Gluon kernel (`gluon_w4a16`: TMA producer warp, register-A wgmma overlapping the
+# unpack) runs instead. H200, Llama-3 shapes (benchmarks/results/gluon_w4a16_crossover.json, session 12): 1.1-1.5x
+# the fused kernel at 96-192 rows, 1.0-1.4x dequantize + cuBLAS at 256-512 (0.95x on 4096^2 at 256); it lost to
+# the fused kernel on the large layers at 32-64 rows and to dequantize + cuBLAS from 768.
+GLUON_MIN_M, GLUON_MAX_M = 65, 512
+GLUON_BUILD_ERRORS: list[str] = []  # the Gluon kernel failed to build with this Triton: not tried again
 GRAD_DECODE_MAX_M = 16  # grad_input: the fused kernel only wins for very few rows (H200 sweep)
 _BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: the minimum tensor-core K)
 
@@ -859,7 +867,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     group_size: K // scales.shape[0], or -1 for one group over all of K.
     qweight is `w4a16_pack(codes)` (what W4A16Linear holds), not a GPTQ checkpoint's qweight.
     M (rows of x) <= DECODE_MAX_M runs the fused kernel; larger M dequantizes W into a temporary [K, N] tensor
-    (K * N * 2 bytes) and calls cuBLAS, which measured faster there.
+    (K * N * 2 bytes) and calls cuBLAS, which measured faster there. On Hopper, GLUON_MIN_M <= M <= GLUON_MAX_M
+    runs the Gluon kernel (`gluon_w4a16_matmul`) instead, where it supports the layer (K a multiple of 128).
     cache_workspace=False zeroes a fresh split-K workspace per call (two small memsets) instead of reusing the
     cached, self-cleaning one: for callers whose allocations live in a CUDA-graph memory pool (torch.compile
     mode="reduce-overhead"), where a cached tensor would outlive the pool's bookkeeping.
@@ -880,6 +889,10 @@ def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     group_size the effective one (K for a single group). Returns [M, N]. Decoding calls this once per linear per
     token, so its host time per call is what eager generate() pays."""
     m = x2.shape[0]
+    if GLUON_MIN_M <= m <= GLUON_MAX_M:
+        y = _gluon_matmul(x2, qweight, scales, zeros, group_size)
+        if y is not None:
+            return y
     if m > DECODE_MAX_M:
         return torch.matmul(x2, _dequantize(qweight, scales, zeros, group_size, x2.dtype))
     n = qweight.shape[1]
@@ -887,6 +900,26 @@ def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if m > 0 and n > 0:
         _decode_matmul(x2, qweight, scales, zeros, group_size, out, cache_workspace=cache_workspace)
     return out
+
+
+def _gluon_matmul(x2, qweight, scales, zeros, group_size):
+    """x2 @ W by the Gluon kernel, or None where it does not run (not Hopper, no Gluon in this Triton, a layer it
+    does not take, or it failed to build here: one warning, then the Triton paths from then on)."""
+    if GLUON_BUILD_ERRORS or not x2.is_cuda or interpreting():
+        return None
+    from triton.compiler.errors import CompilationError
+
+    from . import gluon_w4a16  # imports this module (the shared PTX): only here, not at import time
+
+    if not gluon_w4a16.supported(x2, qweight, group_size):
+        return None
+    try:
+        return gluon_w4a16.gluon_w4a16_matmul(x2, qweight, scales, zeros, group_size)
+    except CompilationError as exc:
+        GLUON_BUILD_ERRORS.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
+        warn_once(__name__, "gluon-w4a16-build", f"hf_fastpath's Gluon W4A16 kernel does not build with this "
+                  f"Triton ({GLUON_BUILD_ERRORS[0]}); running the Triton W4A16 kernels instead.")
+        return None
 
 
 SEGMENT_COLUMNS = 256  # one launch over several weights needs each N_j a multiple of every decode config's BLOCK_N

@@ -181,3 +181,17 @@ def test_empty_inputs():
     qweight, scales, z, _ = _layer(512, 384, 128, torch.bfloat16)
     y = gw.gluon_w4a16_matmul(torch.empty(0, 512, device="cuda", dtype=torch.bfloat16), qweight, scales, z, 128)
     assert y.shape == (0, 384)
+
+
+@pytest.mark.parametrize("m", [64, 65, 300, 512, 513])
+def test_w4a16_matmul_dispatches_to_gluon_in_its_row_range(m):
+    # the package's entry point: Gluon for GLUON_MIN_M..GLUON_MAX_M rows (bitwise its output), Triton paths outside
+    from hf_fastpath.kernels import w4a16
+
+    qweight, scales, z, w64 = _layer(4096, 1024, 128, torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    y = w4a16.w4a16_matmul(x, qweight, scales, z, 128)
+    ref = x.double() @ w64
+    assert (y.double() - ref).abs().max().item() <= TOL[torch.bfloat16] * ref.abs().max().item()
+    gluon = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128)
+    assert torch.equal(y, gluon) == (w4a16.GLUON_MIN_M <= m <= w4a16.GLUON_MAX_M)
