@@ -95,17 +95,18 @@ def generate_rows(model, batch, prompt, compiled):
     return batch * NEW_TOKENS / _sync_time(lambda: model.generate(ids, **kw), reps=3)
 
 
-def profile_generate(model, batch, prompt):
-    """Where a compiled decode step's time goes, per implementation: the CUDA kernels of one static-cache
-    generate() (after a warm-up that compiles) and the CUDA-graph launches (0: inductor did not use CUDA graphs)."""
+def profile_generate(model, batch, prompt, compiled=True):
+    """Where a decode step's time goes, per implementation: the CUDA kernels of one generate() (static cache and
+    compiled, after a warm-up that compiles; or eager) and the CUDA-graph launches (compiled: 0 means inductor did
+    not use CUDA graphs)."""
     import logging
 
     from torch.profiler import ProfilerActivity, profile
 
     logging.getLogger("torch._inductor.cudagraph_trees").setLevel(logging.DEBUG)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
-    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-              cache_implementation="static")
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    kw.update(cache_implementation="static") if compiled else kw.update(disable_compile=True)
     for impl in IMPLS:
         model.set_attn_implementation(impl)
         torch._dynamo.reset()
@@ -118,6 +119,8 @@ def profile_generate(model, batch, prompt):
         launches = sum(e.count for e in events if "cudaGraphLaunch" in e.key)
         log(f"== {impl}: cudaGraphLaunch x{launches}")
         log(events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        if not compiled:
+            log(events.table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
 
 
 def main():
@@ -130,6 +133,7 @@ def main():
     ap.add_argument("--out", help=f"results JSON (default {RESULTS}, or end_to_end_<model>.json beside it)")
     ap.add_argument("--plot")
     ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt and stop")
+    ap.add_argument("--profile-eager", action="store_true", help="with --profile: eager generate instead")
     ap.add_argument("--readme", metavar="RESULTS", help="print the README's table from this results JSON")
     args = ap.parse_args()
     if args.plot:
@@ -191,7 +195,7 @@ def main():
     model.generation_config.pad_token_id = 0
     if args.profile:
         model.eval()
-        return profile_generate(model, *(int(x) for x in args.profile.split("x")))
+        return profile_generate(model, *(int(x) for x in args.profile.split("x")), compiled=not args.profile_eager)
     for dtype in dtypes:
         if dtype == "w4a16":
             model.eval()
