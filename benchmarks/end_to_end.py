@@ -41,6 +41,9 @@ GEMMA2_9B = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
           "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights")}
 IMPLS = ("sdpa", "fastpath")
+# --control: "sdpa" against itself under the name "fastpath", to show how far apart the harness puts two runs of
+# the very same kernels (the noise any ratio here carries)
+CONTROL_IMPLS = {"sdpa": "sdpa", "fastpath": "sdpa"}
 NEW_TOKENS = 32
 
 
@@ -133,6 +136,8 @@ def main():
     ap.add_argument("--out", help=f"results JSON (default {RESULTS}, or end_to_end_<model>.json beside it)")
     ap.add_argument("--plot")
     ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt and stop")
+    ap.add_argument("--control", action="store_true",
+                    help="null control: time sdpa against sdpa (results to end_to_end_control.json by default)")
     ap.add_argument("--profile-eager", action="store_true", help="with --profile: eager generate instead")
     ap.add_argument("--readme", metavar="RESULTS", help="print the README's table from this results JSON")
     args = ap.parse_args()
@@ -150,9 +155,11 @@ def main():
     model_type, shape, described = MODELS[args.model]
     if args.out is None:
         args.out = RESULTS if args.model == "llama3-8b" else RESULTS.replace(".json", f"_{args.model}.json")
+        args.out = args.out.replace(".json", "_control.json") if args.control else args.out
     res = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          transformers=transformers.__version__, date=datetime.date.today().isoformat(),
-                         layers=args.layers, model=described, new_tokens=NEW_TOKENS),
+                         layers=args.layers, model=described, new_tokens=NEW_TOKENS,
+                         control="sdpa timed against itself (the 'fastpath' column is sdpa)" if args.control else None),
                rows=[])
     if os.path.exists(args.out):  # runs split over several calls add their rows to one file
         old = json.load(open(args.out))
@@ -163,17 +170,18 @@ def main():
     def record(workflow, dtype, shape, unit, fn, rounds):
         """Both implementations, alternating `rounds` times (the host's speed drifts: eager decoding is host-bound),
         which goes first swapping every round (the second of two back-to-back runs can meet a hotter, slower GPU);
-        each keeps its best round."""
+        each keeps its best round; every round's figures and per-round ratios are kept to show the noise."""
         row = dict(workflow=workflow, dtype=dtype, shape=shape, unit=unit)
         for round_ in range(rounds):
             for impl in (IMPLS if round_ % 2 == 0 else IMPLS[::-1]):
-                model.set_attn_implementation(impl)
+                model.set_attn_implementation(CONTROL_IMPLS[impl] if args.control else impl)
                 torch._dynamo.reset()
                 from torch._dynamo.utils import counters
 
                 counters.clear()
                 try:
-                    row[impl] = max(fn(), row.get(impl) or 0.0)
+                    row.setdefault(f"{impl}_rounds", []).append(fn())
+                    row[impl] = max(row[f"{impl}_rounds"])
                 except Exception as exc:  # noqa: BLE001 - keep the other rows
                     row[impl] = None
                     row[f"{impl}_error"] = repr(exc)[:300]
@@ -183,6 +191,9 @@ def main():
                 torch.cuda.empty_cache()
         if row.get("sdpa") and row.get("fastpath"):
             row["ratio"] = row["fastpath"] / row["sdpa"]
+            # the noise beside it: fastpath / sdpa of each round's pair (same round, adjacent in time)
+            pairs = [f / s for f, s in zip(row.get("fastpath_rounds", []), row.get("sdpa_rounds", []))]
+            row["ratio_rounds"] = [round(x, 3) for x in pairs]
         res["rows"].append(row)
         log(json.dumps(row))
         with open(args.out, "w") as f:
