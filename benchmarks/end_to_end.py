@@ -121,7 +121,7 @@ def profile_generate(model, batch, prompt, compiled=True):
         events = prof.key_averages()
         launches = sum(e.count for e in events if "cudaGraphLaunch" in e.key)
         log(f"== {impl}: cudaGraphLaunch x{launches}")
-        log(events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        log(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         if not compiled:
             log(events.table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
 
@@ -135,7 +135,7 @@ def main():
     ap.add_argument("--compiled-shapes", default="1x512,8x4096")
     ap.add_argument("--out", help=f"results JSON (default {RESULTS}, or end_to_end_<model>.json beside it)")
     ap.add_argument("--plot")
-    ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt and stop")
+    ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt (first of --dtypes) and stop")
     ap.add_argument("--control", action="store_true",
                     help="null control: time sdpa against sdpa (results to end_to_end_control.json by default)")
     ap.add_argument("--profile-eager", action="store_true", help="with --profile: eager generate instead")
@@ -204,15 +204,15 @@ def main():
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.generation_config.pad_token_id = 0
-    if args.profile:
-        model.eval()
-        return profile_generate(model, *(int(x) for x in args.profile.split("x")), compiled=not args.profile_eager)
     for dtype in dtypes:
         if dtype == "w4a16":
             model.eval()
             quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=128, sym=False))
             hf_fastpath.fuse_projections(model)
             torch.cuda.empty_cache()
+        if args.profile:  # the first of --dtypes
+            model.eval()
+            return profile_generate(model, *(int(x) for x in args.profile.split("x")), compiled=not args.profile_eager)
         if dtype == "bf16" and only & {"train", "packed"}:
             model.train()
             if "train" in only:
