@@ -1,11 +1,13 @@
 """The Gluon W4A16 GEMM (`kernels/gluon_w4a16.py`) beside cuBLAS bf16 (x @ W, W dequantized once outside the
-timing) and our plain-Triton `w4a16_matmul` (fused split-K for M <= 192, dequantize + cuBLAS above), in one
-process: a correctness check against float64 first, then CUDA-graph times (`triton.testing.do_bench_cudagraph`,
+timing), the package's `w4a16_matmul` dispatch (`triton_us`: fused split-K Triton up to 192 rows, dequantize +
+cuBLAS above, and since session 12 this Gluon kernel for 65-512 rows on Hopper), the fused Triton kernel forced at
+every M (`fused_us`) and dequantize + cuBLAS timed together (`dequant_cublas_us`), in one process: a correctness check against float64 first, then CUDA-graph times (`triton.testing.do_bench_cudagraph`,
 median) for M in 1...4096 on Llama-3 shapes, group 128, bf16. Weight copies cycle past L2 (>= 64 MB per set) so
 that small M reads its weights from HBM, as in decoding.
 
     python benchmarks/gluon_w4a16.py                 # GPU: writes benchmarks/results/gluon_w4a16.json (+ .png)
     python benchmarks/gluon_w4a16.py --quick         # fewer shapes / M (a first look)
+    python benchmarks/gluon_w4a16.py --ms 64 128 256 512 --json F.json   # chosen M (crossover sweeps)
     python benchmarks/gluon_w4a16.py --plot F.json   # no GPU needed: F.json -> F.png
 """
 
@@ -146,7 +148,7 @@ def plot(json_path, png_path=None):
         rows = [r for r in res["rows"] if (r["K"], r["N"]) == (k, n)]
         for key, style, label in (("gluon_vs_cublas", "o-", "Gluon W4A16"),
                                   ("gluon_plain_vs_cublas", "x:", "Gluon W4A16, fp32 unpack"),
-                                  ("triton_vs_cublas", "s--", "Triton W4A16 (w4a16_matmul)")):
+                                  ("triton_vs_cublas", "s--", "w4a16_matmul (package dispatch)")):
             pts = [(r["M"], r[key]) for r in rows if r.get(key)]
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
