@@ -1,4 +1,5 @@
-"""W4A16 benchmark: hf_fastpath's 4-bit kernels against cuBLAS bf16 and torch's int4 tinygemm, same process.
+"""W4A16 benchmark: hf_fastpath's 4-bit kernels against cuBLAS bf16, torch's int4 tinygemm and GemLite (a
+pure-Triton low-bit GEMM library; timed when importable), same process.
 
   python benchmarks/w4a16.py                 # correctness check, then timings -> benchmarks/results/w4a16.json
   python benchmarks/w4a16.py --sweep         # launch-config sweep used to pick the kernel heuristics
@@ -8,6 +9,9 @@ Timing: every call is captured in a CUDA graph (no launch overhead), cycling thr
 that they do not fit in L2 (50 MB on an H200), so the figures are what a decode step sees. Median of 7 replays.
 At M = 1 also eager back-to-back calls (`ours_eager_us`, `cublas_bf16_eager_us`): host time per call included.
 Shapes: Llama-3 8B / 70B linears, group size 128, bf16 activations, random asymmetric 4-bit weights.
+GemLite on a machine without internet: `pip download gemlite --no-deps` here, unpack the sdist into a folder that
+travels with the tree and put it on PYTHONPATH there (it needs numpy and tqdm); on an H200 its H100 configs are loaded
+(it picks none for an H200 name, and would autotune inside the timing's warm-up instead).
 """
 
 from __future__ import annotations
@@ -173,6 +177,26 @@ class Layer:
         return self.k * self.n // 2 + 2 * (self.k // GROUP) * self.n * 2 + m * (self.k + self.n) * 2
 
 
+def gemlite_layers(K, quant, k, n):
+    """GemLite A16W4 layers holding the same weights as `quant` (HQQ order, W = (q - z) * s), or None when gemlite
+    is not importable. GemLite packs [N, K] codes, scales and zeros [N, K / group]."""
+    try:
+        import gemlite
+    except Exception as exc:  # noqa: BLE001 - not installed, or not importable with this torch / Triton
+        log(f"GemLite not timed: {exc!r}"[:300])
+        return None
+    if "H200" in torch.cuda.get_device_name() and not getattr(gemlite_layers, "configured", False):
+        gemlite.GemLiteLinear.load_config(os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json"))
+        gemlite_layers.configured = True
+    layers = []
+    for qw, s, z in quant:
+        lin = gemlite.GemLiteLinear(4, group_size=GROUP, in_features=k, out_features=n,
+                                    input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16)
+        lin.pack(K.w4a16_unpack(qw).t().contiguous().to(torch.uint8), s.t().contiguous(), z.t().contiguous(), None)
+        layers.append(lin)
+    return layers
+
+
 def rel_err(y, ref):
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
 
@@ -257,6 +281,7 @@ def run_main(args):
         entry = dict(K=k, N=n, rows=[])
         qw, s, z = layer.quant[0]
         w_ref = unpack_reference(qw, s, z, GROUP)
+        gemlite = gemlite_layers(K, layer.quant, k, n)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -279,6 +304,13 @@ def run_main(args):
                 [lambda q=q: K.w4a16_matmul_grad_input(dy, *q, GROUP) for q in layer.quant])
             row["dequant_cublas_grad_input_us"] = time_graph(
                 [lambda q=q: dy @ K.w4a16_dequantize(*q, GROUP).t() for q in layer.quant])
+            if gemlite is not None:
+                try:
+                    row["err_gemlite"] = rel_err(gemlite[0](x), ref)
+                    row["gemlite_us"] = time_graph([lambda g=g: g(x) for g in gemlite])
+                    row["speedup_vs_gemlite"] = row["gemlite_us"] / row["ours_us"]
+                except Exception as exc:  # noqa: BLE001 - a peer's failure is recorded, ours goes on
+                    row["gemlite_error"] = repr(exc)[:500]
             if m == 1:  # host-bound without CUDA graphs? (eager decoding)
                 row["ours_eager_us"] = time_eager([lambda q=q: K.w4a16_matmul(x, *q, GROUP) for q in layer.quant])
                 row["cublas_bf16_eager_us"] = time_eager([lambda w=w: x @ w.t() for w in layer.w_bf16])
@@ -449,6 +481,9 @@ def plot(json_path, png_path):
         ms = [r["M"] for r in rows]
         ax.plot(ms, [r["speedup_vs_cublas"] for r in rows], "o-", label="hf_fastpath W4A16")
         ax.plot(ms, [r["tinygemm_speedup_vs_cublas"] for r in rows], "s--", label="torch int4 tinygemm")
+        pts = [(r["M"], r["cublas_bf16_us"] / r["gemlite_us"]) for r in rows if "gemlite_us" in r]
+        if pts:
+            ax.plot(*zip(*pts), "d-.", label="GemLite A16W4")
         ax.plot(ms, [r["grad_input_vs_dequant_cublas"] for r in rows], "^:",
                 label="grad_input / (dequant + cuBLAS)")
         ax.axhline(1.0, color="gray", lw=0.8)
