@@ -12,10 +12,12 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
+from .device import on_input_device
 
 __all__ = ["cross_entropy_rows_"]
 
 
+@on_input_device
 def cross_entropy_rows_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, softcap: float | None,
                         need_grad: bool) -> torch.Tensor:
     """Per-row loss (fp32 [rows]) of `logits` [rows, V] (row stride free, unit column stride) against `target`

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, interpreting, next_pow2
-from .device import compute_major, num_sms
+from .device import compute_major, num_sms, on_input_device
 from .launch import LaunchCache
 from .row_quant import _to_e4m3, quantize_e4m3_rows
 from .split_kv import merge_splits
@@ -918,6 +918,7 @@ def _seqused_arg(seqused_k, batch, device):
 _FWD_LAUNCH = LaunchCache(_fwd_kernel)
 
 
+@on_input_device
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, seqused_k=None, key_mask=None, segments=None, num_splits=None,
@@ -997,6 +998,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     return out, lse
 
 
+@on_input_device
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, cu_seqlens_q=None,
                              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, seqused_k=None, key_mask=None, segments=None,

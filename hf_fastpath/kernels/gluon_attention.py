@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from .device import on_input_device
+
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -529,6 +531,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
                          f"{softmax_scale}")
 
 
+@on_input_device
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                             softmax_scale: float | None = None,
                             variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,7 @@ import torch
 import triton
 
 from . import gluon_attention as _fwd
+from .device import on_input_device
 from .gluon_attention import HAS_GLUON, HEAD_DIMS, LOG2E
 
 if HAS_GLUON:
@@ -257,6 +258,7 @@ def _offsets_fit(q: torch.Tensor) -> bool:
     return q.shape[1] * q.shape[2] * q.shape[3] < 2**31
 
 
+@on_input_device
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                              softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .device import on_input_device
 from .w4a16 import PTX_CONSTS, PTX_NIBBLE_PAIRS, PTX_PLANE
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
@@ -366,6 +367,7 @@ def _check(x, qweight, scales, zeros, group_size):
     return k, n, gs
 
 
+@on_input_device
 def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int, *, unpack: str = "ptx", splits: int | None = None) -> torch.Tensor:
     """y = x @ W with W held as 4-bit words (`w4a16_pack`'s layout), as `w4a16_matmul`: x [..., K] bf16/fp16,

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from . import lowbit_quant as lq
 from .common import cdiv, interpreting, next_pow2
+from .device import on_input_device
 from .row_quant import _ceil_exp2, _load_hadamard, _rotate_rows, _round_e4m3_nonneg, hadamard_pm1
 
 __all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "transpose_v", "P_SCALE"]
@@ -379,6 +380,7 @@ def transpose_v(v_rows: torch.Tensor) -> torch.Tensor:
     return out.view(v_rows.dtype) if v_rows.dtype == torch.float8_e4m3fn else out
 
 
+@on_input_device
 def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          causal=False, softmax_scale=None, p_fp4=False, out_dtype=torch.bfloat16, rotate=False):
     """Triton forward. q `[Tq,H,D]`, k `[Tk,Hkv,D]`, vt `[Hkv,D,Tk_pad]` (e4m3 with fp32 `[T,H]` scales, or bf16/fp16

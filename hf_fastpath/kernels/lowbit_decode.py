@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import lowbit_quant as lq
-from .device import num_sms
+from .device import num_sms, on_input_device
 from .launch import LaunchCache
 from .split_kv import merge_splits
 from .common import cdiv, interpreting, next_pow2
@@ -337,6 +337,7 @@ def _num_splits(programs: int, kv_len: int, block_n: int, device, cfg=DECODE_CON
     return max(1, min(want, cdiv(kv_len, cfg["min_tokens_per_split"]), 256))
 
 
+@on_input_device
 def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_splits=None, block_n=None,
                   code_layout="nibbles"):
     """One decode step. q `[B, Hq, D]`; `k_cache`/`v_cache` are `(data, row_scale|None, block_scale|None)` in the

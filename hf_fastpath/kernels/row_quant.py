@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, interpreting, next_pow2
+from .device import on_input_device
 
 __all__ = ["quantize_e4m3_rows", "can_fuse_rotation", "hadamard_pm1", "QUANT_TILES"]
 
@@ -189,6 +190,7 @@ def can_fuse_rotation(d: int) -> bool:
     return 32 <= d <= 128 and d & (d - 1) == 0
 
 
+@on_input_device
 def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotate: bool = False):
     """Fused Triton version of `quantize_for_attention`: x `[B, S, H, D]` or `[T, H, D]` (unit stride along D) ->
     (e4m3 `[B*S, H, D]`, or `[H, D, T_pad]` with `transpose`; fp32 scales `[B*S, H]`). `rotate`: quantize

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, interpreting, warn_once
-from .device import cuda_index, current_stream, num_sms
+from .device import cuda_index, current_stream, num_sms, on_input_device
 from .launch import LaunchCache
 from .w4a16_layout import k_tile_order, w4a16_pack, w4a16_unpack  # noqa: F401  (re-exported: the public API)
 
@@ -882,6 +882,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.reshape(*lead, n)
 
 
+@on_input_device
 def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, *, cache_workspace: bool = True) -> torch.Tensor:
     """`w4a16_matmul` without its argument checks, for callers that validated the weights once (W4A16Linear at
@@ -981,6 +982,7 @@ def w4a16_matmul_concat(x: torch.Tensor, parts, group_size: int, *, cache_worksp
     return y.reshape(*lead, y.shape[1])
 
 
+@on_input_device
 def w4a16_matmul_concat_rows(x2: torch.Tensor, parts, group_size: int, *, cache_workspace: bool = True) -> torch.Tensor:
     """One launch of `w4a16_matmul_concat` without its checks: x2 [M, K] with 1 <= M <= DECODE_MAX_M (fastest up to
     CONCAT_MAX_M) and unit column stride, parts `w4a16_back_to_back` in x2's dtype and device, group_size the
@@ -992,6 +994,7 @@ def w4a16_matmul_concat_rows(x2: torch.Tensor, parts, group_size: int, *, cache_
     return out
 
 
+@on_input_device
 def w4a16_matmul_grad_input(dy: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                             group_size: int) -> torch.Tensor:
     """dx = dy @ W^T: dy [..., N] float16/bfloat16 -> dx [..., K] in dy's dtype (the input gradient of y = x @ W).
@@ -1013,6 +1016,7 @@ def w4a16_matmul_grad_input(dy: torch.Tensor, qweight: torch.Tensor, scales: tor
     return dx.reshape(*lead, k)
 
 
+@on_input_device
 def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """Materialise W [K, N] (rounded once to scales' dtype, or `dtype`): for peers, LoRA merging, debugging."""
