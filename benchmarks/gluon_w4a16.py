@@ -60,7 +60,9 @@ def check(gen):
             scale = ref.abs().max().item()
             row = dict(K=k, N=n, M=m)
             plain = functools.partial(gluon_w4a16_matmul, unpack="plain")
-            for name, fn in (("gluon", gluon_w4a16_matmul), ("gluon_plain", plain), ("triton", w4a16_matmul)):
+            tma = functools.partial(gluon_w4a16_matmul, scales_by="tma")
+            for name, fn in (("gluon", gluon_w4a16_matmul), ("gluon_plain", plain), ("gluon_tma", tma),
+                             ("triton", w4a16_matmul)):
                 try:
                     y = fn(x, qw, s, z, GROUP)
                     row[f"{name}_rel_err"] = (y.double() - ref).abs().max().item() / scale
@@ -109,6 +111,7 @@ def bench(shapes, ms, gen):
                 "dequant_cublas_us": _cycle(lambda L, x=x: x @ w4a16_dequantize(*L, GROUP), layers),
                 "gluon_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP), layers),
                 "gluon_plain_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, unpack="plain"), layers),
+                "gluon_tma_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, scales_by="tma"), layers),
             }
             for key, fn in cases.items():
                 try:
@@ -123,6 +126,8 @@ def bench(shapes, ms, gen):
                 row["gluon_vs_triton"] = row["triton_us"] / row["gluon_us"]
             if "triton_us" in row and "cublas_us" in row:
                 row["triton_vs_cublas"] = row["cublas_us"] / row["triton_us"]
+            if "gluon_tma_us" in row and "gluon_us" in row:
+                row["gluon_tma_vs_gluon"] = row["gluon_us"] / row["gluon_tma_us"]
             if "gluon_plain_us" in row and "cublas_us" in row:
                 row["gluon_plain_vs_cublas"] = row["cublas_us"] / row["gluon_plain_us"]
             row["gluon_tflops"] = 2 * m * k * n / row["gluon_us"] / 1e6 if "gluon_us" in row else None
@@ -187,7 +192,7 @@ def main():
                          note="cublas: x @ W with W dequantized to bf16 outside the timing; triton: w4a16_matmul "
                               "(the package's dispatch); fused: our Triton fused kernel forced at every M; "
                               "dequant_cublas: dequantize + cuBLAS timed together; gluon: gluon_w4a16_matmul "
-                              "(PTX pair unpack), gluon_plain: its fp32 unpack"))
+                              "(PTX pair unpack), gluon_plain: its fp32 unpack, gluon_tma: scales_by='tma'"))
     res["check"] = check(gen)
     shapes = SHAPES[:2] if args.quick else SHAPES
     ms = args.ms or ((1, 64, 1024) if args.quick else MS)

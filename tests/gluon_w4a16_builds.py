@@ -19,16 +19,22 @@ from hf_fastpath.kernels import gluon_w4a16 as gw  # noqa: E402
 from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
 
 
-def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=False):
+def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=False, scales_tma=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gw._w4a16_kernel
     elem = gw.gl.bfloat16 if dtype == torch.bfloat16 else gw.gl.float16
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
+    constexprs = dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=gw.GROUP_M, SCALES_TMA=scales_tma)
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
+        elif p.name in ("s_desc", "z_desc"):  # scales_by="tma": 1-D boxes of 128; else None (a constexpr)
+            if scales_tma:
+                sig[p.name] = descriptor_type(dtype, [gw.BLOCK_N], elem, gw.scales_layout())
+            else:
+                sig[p.name], constexprs[p.name] = "constexpr", None
         elif p.name == "x_desc":
             sig[p.name] = descriptor_type(dtype, [block_m, gw.BLOCK_K], elem)
         elif p.name == "w_desc":
@@ -39,7 +45,6 @@ def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=F
             sig[p.name] = ptr
         else:
             sig[p.name] = "i32"
-    constexprs = dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=gw.GROUP_M)
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=gw.MAXNREG))
@@ -47,7 +52,8 @@ def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=F
 
 def cases():
     """Every launch configuration `gluon_w4a16_matmul` can pick (config(m) for each M bucket), both group modes,
-    both unpack paths, split-K's fp32 output: (name, block_m, stages, plane_groups, dtype, ptx, split)."""
+    both unpack paths, split-K's fp32 output, scales by TMA: (name, block_m, stages, plane_groups, dtype, ptx, split
+    [, scales_tma])."""
     seen = set()
     for m in (1, 4096):
         block_m, stages = gw.config(m)
@@ -64,15 +70,20 @@ def cases():
         tag = "" if ptx else " plain"
         yield f"m{block_m} s{stages} g128 fp16{tag}", block_m, stages, False, torch.float16, ptx, False
         yield f"m{block_m} s{stages} g64 fp16{tag}", block_m, stages, True, torch.float16, ptx, False
+    for m in (1, 4096):  # scales_by="tma" (group sizes of 128 and up)
+        block_m, stages = gw.config(m)
+        yield f"m{block_m} s{stages} g128 bf16 tma", block_m, stages, False, torch.bfloat16, True, False, True
+        yield f"m{block_m} s{stages} g128 bf16 split tma", block_m, stages, False, torch.bfloat16, True, True, True
+    yield f"m{block_m} s{stages} g128 fp16 tma", block_m, stages, False, torch.float16, True, False, True
 
 
 def main():
     only = sys.argv[1:]
-    for name, block_m, stages, plane_groups, dtype, ptx, split in cases():
+    for name, *case in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(block_m, stages, plane_groups, dtype, ptx, split)
+            kernel = build(*case)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   setmaxnreg=ptx.count("setmaxnreg"), n_regs=getattr(kernel, "n_regs", None),

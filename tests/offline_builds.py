@@ -25,8 +25,9 @@ def run_build_script(name: str, timeout: int = 900) -> list[dict]:
     return builds
 
 
-def descriptor_type(dtype: torch.dtype, block: list, gl_dtype=None) -> str:
-    """The signature string the launcher derives from a host TensorDescriptor (a CPU tensor stands in)."""
+def descriptor_type(dtype: torch.dtype, block: list, gl_dtype=None, layout=None) -> str:
+    """The signature string the launcher derives from a host TensorDescriptor (a CPU tensor stands in); layout:
+    its shared layout (default: NVMMASharedLayout.get_default_for the block)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -35,7 +36,7 @@ def descriptor_type(dtype: torch.dtype, block: list, gl_dtype=None) -> str:
         gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     base = torch.empty([2 * n for n in block], dtype=dtype)
     desc = TensorDescriptor(base, list(base.shape), list(base.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+                            layout or gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
     return mangle_type(desc)
 
 

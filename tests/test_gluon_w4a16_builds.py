@@ -36,7 +36,8 @@ def test_gluon_w4a16_builds_for_sm90(builds):
     assert not [b for b in builds if b.get("serialized") or b.get("ptxas_notes")], builds
     names = {b["name"] for b in builds}
     assert {f"m64 s{gw.config(1)[1]} g128 bf16", f"m128 s{gw.config(4096)[1]} g128 bf16",
-            f"m128 s{gw.config(4096)[1]} g64 fp16", f"m128 s{gw.config(4096)[1]} g128 bf16 plain"} <= names
+            f"m128 s{gw.config(4096)[1]} g64 fp16", f"m128 s{gw.config(4096)[1]} g128 bf16 plain",
+            f"m64 s{gw.config(1)[1]} g128 bf16 tma", f"m128 s{gw.config(4096)[1]} g128 bf16 split tma"} <= names
 
 
 def _weights(k, n, gs, dtype=torch.bfloat16):
@@ -78,6 +79,7 @@ def test_group_sizes():
     ("qweight_dtype", "int32"),
     ("cpu", "Hopper GPUs only"),
     ("unpack", "unpack must be"),
+    ("scales_by", "scales_by must be"),
 ])
 def test_argument_errors_name_the_problem(case, match):
     k, n, gs = 256, 64, 128
@@ -100,7 +102,8 @@ def test_argument_errors_name_the_problem(case, match):
     elif case == "qweight_dtype":
         qw = qw.to(torch.int64)
     with pytest.raises(ValueError, match=match):
-        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack="fast" if case == "unpack" else "ptx")
+        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack="fast" if case == "unpack" else "ptx",
+                              scales_by="smem" if case == "scales_by" else "load")
 
 
 def test_the_kernels_index_mapping_on_the_cpu():

@@ -1,5 +1,7 @@
 """W4A16 mixed-input GEMM for Hopper (sm_90) in Gluon, Machete style ("swap AB", register-A wgmma, warp
-specialization). Status: compiled offline for sm_90; not yet run on a GPU (2026-12-02). Not wired into any dispatch.
+specialization). Status: GPU-verified on an H200 (session 12); `w4a16_matmul` runs it on Hopper for 65-512 rows,
+where it measured fastest (`kernels.w4a16.GLUON_MIN_M / GLUON_MAX_M`). `scales_by="tma"`: written and compiled
+offline in session 12, NOT yet run on a GPU.
 
 Same semantics and weight layout as `kernels.w4a16.w4a16_matmul` (layout: `kernels.w4a16_layout`): qweight int32
 [K // 8, N] K-tiled and tile-major, scales / zeros [K // gs, N] in x's dtype, W[k, n] = s * (code - z), y = x @ W.
@@ -24,8 +26,10 @@ Why this shape (plain Triton cannot overlap the dequantization with the MMA: doc
   a wgmma reads are never rewritten before the wait that retires it (the read-after-write hazard of pipelined
   register-A wgmma, triton issue 9433 / PR 9514, which Triton 3.6 does not have).
 - Scales and zeros are loaded by the consumers (plain loads, one K tile ahead, held in registers): one row per
-  tile for groups of 128 and more, one per 16-input plane for groups of 32 / 64. Plain loads take any N (TMA
-  would need N * 2 bytes to be a multiple of 16).
+  tile for groups of 128 and more, one per 16-input plane for groups of 32 / 64. At M = 1 a K tile takes ~1 µs
+  against ~0.15 µs of work, likely this load's latency; `scales_by="tma"` (groups of 128 and more) has the
+  producer bring each tile's 128 scales and zeros through the ring instead, as 1-D boxes of the flat [G * N]
+  tensors (no alignment condition on N; a box past N reads values only masked-out columns use).
 - The output is stored transposed back (rows = M) with masks; x rows past M come from TMA's zero fill, weight
   columns past N read the next tile's words (finite garbage in masked columns).
 - Tiles: BLOCK_N 128 (2 x 64), BLOCK_K 128, BLOCK_M 64 (M <= 64, 8 stages) or 128 (5 stages); ~200 KB of shared
@@ -107,18 +111,33 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
 
+    def scales_layout():
+        """Shared layout of a scales / zeros box (scales_by="tma"): 128 16-bit values, unswizzled."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=1)
+
     @gluon.jit
-    def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, m0, n0, N, kt0, n_steps, STAGES: gl.constexpr):
+    def _producer(x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, n0, N, kt0,
+                  n_steps, group_size, STAGES: gl.constexpr, SCALES_TMA: gl.constexpr):
         """TMA: x[m0:+BLOCK_M, 128 t:+128] and the words of weight rows n0:+128 of K tile t = kt0 + i into slot
-        i % STAGES. A phantom tile (odd tile count: only the last split has one) lies wholly outside both tensors:
-        TMA fills it with zeros (x = 0 makes its product exactly 0)."""
+        i % STAGES (SCALES_TMA: also that tile's scales and zeros of those rows, 128 values of the flat [G * N]
+        tensors from group row t * 128 // group_size; past N they run into the next row or off the end (zeros),
+        for outputs that are never stored). A phantom tile (odd tile count: only the last split has one) lies
+        wholly outside every tensor: TMA fills it with zeros (x = 0 makes its product exactly 0)."""
         for i in range(n_steps):
             slot = i % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            if SCALES_TMA:
+                mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             _tma_load(x_desc, [m0, (kt0 + i) * 128], ready.index(slot), x_smem.index(slot))
             _tma_load(w_desc, [(kt0 + i) * N + n0, 0], ready.index(slot), w_smem.index(slot))
+            if SCALES_TMA:
+                row = ((kt0 + i) * 128) // group_size * N + n0
+                _tma_load(s_desc, [row], ready.index(slot), s_smem.index(slot))
+                _tma_load(z_desc, [row], ready.index(slot), z_smem.index(slot))
 
     @gluon.jit
     def _scales(s_ptr, z_ptr, i, kt0, n_k, rows, N, group_size, L3: gl.constexpr, PLANE_GROUPS: gl.constexpr):
@@ -189,15 +208,23 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
                                              is_pure=True, pack=2)
 
     @gluon.jit
-    def _step(i, acc, a_old, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0, n_k, group_size,
-              ROW0: gl.constexpr, STAGES: gl.constexpr, L3: gl.constexpr, a_layout: gl.constexpr,
-              PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr):
+    def _step(i, acc, a_old, s, z, w_smem, x_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0, n_k,
+              group_size, ROW0: gl.constexpr, STAGES: gl.constexpr, L3: gl.constexpr, a_layout: gl.constexpr,
+              PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr, SCALES_TMA: gl.constexpr):
         """K tile i: dequantize (while wgmma i - 1 runs), issue wgmma i, retire wgmma i - 1 and free its slot.
-        s, z are tile i's scales (loaded one step earlier); returns tile i + 1's. a_old is the A operand of
-        wgmma i - 1: passing it through the wait keeps its registers untouched until that wgmma is done."""
+        s, z are tile i's scales (loaded one step earlier); returns tile i + 1's (SCALES_TMA: they come with the
+        tile through the producer's ring instead, and s, z only pass through). a_old is the A operand of wgmma
+        i - 1: passing it through the wait keeps its registers untouched until that wgmma is done."""
         slot = i % STAGES
-        s_next, z_next = _scales(s_ptr, z_ptr, i + 1, kt0, n_k, rows, N, group_size, L3, PLANE_GROUPS)
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        if SCALES_TMA:
+            s_next, z_next = s, z
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            row_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+            s = gl.expand_dims(gl.expand_dims(s_smem.index(slot).slice(ROW0, 64).load(row_layout), 1), 2)
+            z = gl.expand_dims(gl.expand_dims(z_smem.index(slot).slice(ROW0, 64).load(row_layout), 1), 2)
+        else:
+            s_next, z_next = _scales(s_ptr, z_ptr, i + 1, kt0, n_k, rows, N, group_size, L3, PLANE_GROUPS)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         words = w_smem.index(slot).slice(ROW0, 64).load(gl.SliceLayout(1, L3))
         a = _dequant(words, s, z, x_smem.dtype, L3, a_layout, PTX)
         acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
@@ -208,8 +235,9 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         return acc, a, s_next, z_next
 
     @gluon.jit
-    def _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps, group_size, m0, n0,
-                  WARPGROUP: gl.constexpr, STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr):
+    def _consumer(x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps,
+                  group_size, m0, n0, WARPGROUP: gl.constexpr, STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr,
+                  PTX: gl.constexpr, SCALES_TMA: gl.constexpr):
         BLOCK_M: gl.constexpr = x_smem.type.shape[1]
         ROW0: gl.constexpr = WARPGROUP * 64
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -227,20 +255,24 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         acc = warpgroup_mma_init(gl.zeros([64, BLOCK_M], gl.float32, acc_layout))  # an async token in the loop
         a_even = gl.zeros([64, 128], x_smem.dtype, a_layout)
         a_odd = gl.zeros([64, 128], x_smem.dtype, a_layout)
-        s, z = _scales(s_ptr, z_ptr, 0, kt0, n_k, rows, N, group_size, L3, PLANE_GROUPS)
+        s, z = _scales(s_ptr, z_ptr, 0, kt0, n_k, rows, N, group_size, L3, PLANE_GROUPS)  # (SCALES_TMA: unused)
         # Two A register sets, even and odd tiles: the dequant of tile i never writes the registers that the
         # still running wgmma i - 1 reads. The loop runs whole pairs (n_steps even: an odd n_k gets a phantom
         # tile that TMA fills with zeros) and the first pair comes before it (n_steps >= 2), so there is no
         # branch and no accumulator write while a wgmma is in flight: ptxas serializes every wgmma otherwise.
-        acc, a_even, s, z = _step(0, acc, a_odd, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0,
-                                  n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
-        acc, a_odd, s, z = _step(1, acc, a_even, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0,
-                                 n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
+        acc, a_even, s, z = _step(0, acc, a_odd, s, z, w_smem, x_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr,
+                                  rows, N, kt0, n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX,
+                                  SCALES_TMA)
+        acc, a_odd, s, z = _step(1, acc, a_even, s, z, w_smem, x_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr,
+                                 rows, N, kt0, n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX,
+                                 SCALES_TMA)
         for i in range(2, n_steps, 2):
-            acc, a_even, s, z = _step(i, acc, a_odd, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N,
-                                      kt0, n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
-            acc, a_odd, s, z = _step(i + 1, acc, a_even, s, z, w_smem, x_smem, ready, empty, s_ptr, z_ptr, rows, N,
-                                     kt0, n_k, group_size, ROW0, STAGES, L3, a_layout, PLANE_GROUPS, PTX)
+            acc, a_even, s, z = _step(i, acc, a_odd, s, z, w_smem, x_smem, s_smem, z_smem, ready, empty, s_ptr,
+                                      z_ptr, rows, N, kt0, n_k, group_size, ROW0, STAGES, L3, a_layout,
+                                      PLANE_GROUPS, PTX, SCALES_TMA)
+            acc, a_odd, s, z = _step(i + 1, acc, a_even, s, z, w_smem, x_smem, s_smem, z_smem, ready, empty, s_ptr,
+                                     z_ptr, rows, N, kt0, n_k, group_size, ROW0, STAGES, L3, a_layout,
+                                     PLANE_GROUPS, PTX, SCALES_TMA)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         # (the last slot is not released: the producer is done)
 
@@ -251,9 +283,9 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _w4a16_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, M, N, k_tiles, chunk, group_size,
+    def _w4a16_kernel(x_desc, w_desc, s_desc, z_desc, s_ptr, z_ptr, y_ptr, M, N, k_tiles, chunk, group_size,
                       STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr,
-                      GROUP_M: gl.constexpr):
+                      GROUP_M: gl.constexpr, SCALES_TMA: gl.constexpr):
         """One CTA: output tile (m0, n0) over K tiles [kt0, kt0 + n_k) of its split (split-K: `chunk` tiles a
         split, even when there are several, so only the last split can have a phantom tile; each split writes its
         own fp32 partial y_ptr[split], which the host sums)."""
@@ -278,6 +310,12 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        if SCALES_TMA:
+            s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+            z_smem = gl.allocate_shared_memory(z_desc.dtype, [STAGES] + z_desc.block_type.shape, z_desc.layout)
+        else:  # not read
+            s_smem = w_smem
+            z_smem = w_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -285,11 +323,12 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
             mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
         gl.warp_specialize([
-            (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps, group_size, m0,
-                         n0, 0, STAGES, PLANE_GROUPS, PTX)),
-            (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps, group_size, m0,
-                         n0, 1, STAGES, PLANE_GROUPS, PTX)),
-            (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, m0, n0, N, kt0, n_steps, STAGES)),
+            (_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps,
+                         group_size, m0, n0, 0, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
+            (_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps,
+                         group_size, m0, n0, 1, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
+            (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, n0, N,
+                         kt0, n_steps, group_size, STAGES, SCALES_TMA)),
         ], [4, 1], _REGS)
 
 
@@ -369,15 +408,21 @@ def _check(x, qweight, scales, zeros, group_size):
 
 @on_input_device
 def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       group_size: int, *, unpack: str = "ptx", splits: int | None = None) -> torch.Tensor:
+                       group_size: int, *, unpack: str = "ptx", splits: int | None = None,
+                       scales_by: str = "load") -> torch.Tensor:
     """y = x @ W with W held as 4-bit words (`w4a16_pack`'s layout), as `w4a16_matmul`: x [..., K] bf16/fp16,
     returns [..., N] in x's dtype. group_size: 32, 64, a multiple of 128, or -1 (one group over K).
     unpack: "ptx" (16-bit pair arithmetic, exact q - z for integer zero points, as every checkpoint format stores)
     or "plain" (fp32 arithmetic, any float zero point; ~3x the dequantization instructions).
     splits: K splits (None: enough to fill the GPU when there are few output tiles, i.e. small M); with more than
-    one, fp32 partial sums are written and summed (deterministically) by torch."""
+    one, fp32 partial sums are written and summed (deterministically) by torch.
+    scales_by: "load" (the consumers load each tile's scales and zeros one tile ahead) or "tma" (the producer
+    brings them with the tile through the ring; group sizes that are a multiple of 128 or one group). Opt-in,
+    written in session 12 to hide the per-tile load latency at small M, NOT yet run on a GPU."""
     if unpack not in ("ptx", "plain"):
         raise ValueError(f"gluon_w4a16_matmul: unpack must be 'ptx' or 'plain', got {unpack!r}")
+    if scales_by not in ("load", "tma"):
+        raise ValueError(f"gluon_w4a16_matmul: scales_by must be 'load' or 'tma', got {scales_by!r}")
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"gluon_w4a16_matmul: splits must be a positive int or None, got {splits!r}")
     k, n, gs = _check(x, qweight, scales, zeros, group_size)
@@ -392,6 +437,13 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     if qweight.data_ptr() % 16 != 0:  # a view into a larger buffer: TMA needs a 16-byte aligned base
         qweight = qweight.clone()
+    s_desc = z_desc = None
+    if scales_by == "tma":
+        if gs % BLOCK_K != 0:
+            raise ValueError(f"gluon_w4a16_matmul: scales_by='tma' takes group sizes that are multiples of {BLOCK_K} "
+                             f"(or one group), got {group_size}; use scales_by='load'")
+        s_desc, z_desc = (TensorDescriptor(t.view(-1) if t.data_ptr() % 16 == 0 else t.reshape(-1).clone(),
+                                           [t.numel()], [1], [BLOCK_N], scales_layout()) for t in (scales, zeros))
 
     block_m, stages = config(m)
     elem = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
@@ -407,9 +459,10 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     n_splits = triton.cdiv(k_tiles, chunk)
     # several splits: fp32 partials [splits, M, N] summed here (deterministic: no atomics)
     out = y if n_splits == 1 else torch.empty((n_splits, m, n), device=x.device, dtype=torch.float32)
-    _w4a16_kernel[(tiles * n_splits, )](x_desc, w_desc, scales, zeros, out, m, n, k_tiles, chunk, gs,
-                                        STAGES=stages, PLANE_GROUPS=gs in PLANE_GROUP_SIZES, PTX=unpack == "ptx",
-                                        GROUP_M=GROUP_M, num_warps=4, maxnreg=MAXNREG)
+    _w4a16_kernel[(tiles * n_splits, )](x_desc, w_desc, s_desc, z_desc, scales, zeros, out, m, n, k_tiles, chunk,
+                                        gs, STAGES=stages, PLANE_GROUPS=gs in PLANE_GROUP_SIZES, PTX=unpack == "ptx",
+                                        GROUP_M=GROUP_M, SCALES_TMA=s_desc is not None, num_warps=4,
+                                        maxnreg=MAXNREG)
     if n_splits > 1:
         y.copy_(out.sum(dim=0))
     return y.reshape(*lead, n)

@@ -45,12 +45,12 @@ def _layer(k, n, gs, dtype, zeros="asym"):
     return _LAYERS[key]
 
 
-def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx"):
+def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="load"):
     qweight, scales, z, w64 = _layer(k, n, gs, dtype, zeros)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     assert gw.supported(x, qweight, gs)
-    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by)
     torch.cuda.synchronize()
     ref = x.double() @ w64
     assert y.shape == (m, n) and y.dtype == dtype
@@ -125,6 +125,29 @@ def test_other_groups_match_float64(kn, m, dtype, gs):
     k, n = kn
     eff = k if gs == -1 else gs
     _check(f"{dtype} g{gs} M={m} K={k} N={n}", m, k, n, eff, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 16, 100, 1000])
+@pytest.mark.parametrize("kng", [(4096, 4096, 128), (4096, 14336, 128), (512, 1001, 128), (384, 200, 128),
+                                 (4096, 4096, 256), (512, 1001, 256), (4096, 4096, -1), (384, 200, -1)],
+                         ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_scales_by_tma_is_bitwise_the_loads(kng, m):
+    """scales_by="tma" (scales and zeros through the producer's TMA ring) reads the same values as the consumers'
+    loads, so the outputs are equal bit for bit; odd N (boxes running past N), an odd K-tile count (a phantom
+    tile), split-K (the small M) and one group (gs = -1) included."""
+    k, n, gs = kng
+    eff = k if gs == -1 else gs
+    y = _check(f"bf16 g{gs} M={m} K={k} N={n} tma", m, k, n, eff, torch.bfloat16, scales_by="tma")
+    qweight, scales, z, _ = _layer(k, n, eff, torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(y, gw.gluon_w4a16_matmul(x, qweight, scales, z, eff))
+
+
+def test_scales_by_tma_refuses_small_groups():
+    qweight, scales, z, _ = _layer(512, 384, 32, torch.bfloat16)
+    x = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        gw.gluon_w4a16_matmul(x, qweight, scales, z, 32, scales_by="tma")
 
 
 def test_symmetric_zeros_and_leading_dims():
