@@ -89,7 +89,9 @@ def _cycle(call, items):
     return fn
 
 
-def bench(shapes, ms, gen):
+def bench(shapes, ms, gen, on_row=lambda rows: None):
+    """Rows of times for every (K, N) in shapes and M in ms; `on_row(rows)` after each (the caller saves as it
+    goes: a run cut short by a timeout keeps what it measured)."""
     from hf_fastpath.kernels.gluon_w4a16 import gluon_w4a16_matmul
     from hf_fastpath.kernels.w4a16 import _decode_matmul, w4a16_dequantize, w4a16_matmul
 
@@ -132,6 +134,7 @@ def bench(shapes, ms, gen):
                 row["gluon_plain_vs_cublas"] = row["cublas_us"] / row["gluon_plain_us"]
             row["gluon_tflops"] = 2 * m * k * n / row["gluon_us"] / 1e6 if "gluon_us" in row else None
             rows.append(row)
+            on_row(rows)
             _log(row)
         del layers, dense
         torch.cuda.empty_cache()
@@ -196,10 +199,14 @@ def main():
     res["check"] = check(gen)
     shapes = SHAPES[:2] if args.quick else SHAPES
     ms = args.ms or ((1, 64, 1024) if args.quick else MS)
-    res["rows"] = bench(shapes, ms, gen)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
+
+    def save(rows):
+        res["rows"] = rows
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+    save(bench(shapes, ms, gen, save))
     _log("wrote", args.json, "and", plot(args.json))
 
 
