@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import torch
 
-__all__ = ["interpreting", "interpret_requested", "triton_runs_on", "cdiv", "next_pow2", "warn_once", "WARNED"]
+__all__ = ["interpreting", "interpret_requested", "triton_runs_on", "cdiv", "next_pow2", "warn_once", "WARNED",
+           "nvmma_layout"]
 
 WARNED: set[str] = set()  # keys of the one-time warnings given so far (tests may discard keys to see them again)
 
@@ -38,6 +40,15 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def nvmma_layout(block: tuple, dtype):
+    """Gluon's `NVMMASharedLayout.get_default_for(block, dtype)`, cached: it costs ~6 µs a call on the host, and
+    every Gluon launch builds two or three TMA descriptors (block: a tuple; dtype: a gl dtype)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
 @torch.compiler.assume_constant_result

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from .common import nvmma_layout
 from .device import on_input_device
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
@@ -560,8 +561,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         v2, _ = _row_view(v.contiguous())
     q_block, kv_block = [ROWS_PER_WARPGROUP, D], [cfg.block_n, D]
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), q_block,
-                              gl.NVMMASharedLayout.get_default_for(q_block, elem))
-    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, elem)
+                              nvmma_layout(tuple(q_block), elem))
+    kv_layout = nvmma_layout(tuple(kv_block), elem)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kv_block, kv_layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
     out_desc = _out_descriptor(out, elem) if cfg.tma_store else None
@@ -583,4 +584,4 @@ def _out_descriptor(out: torch.Tensor, elem) -> "TensorDescriptor":
     out3 = out.view(B, Sq, H * D)
     block = [1, ROWS_PER_WARPGROUP, D]
     return TensorDescriptor(out3, list(out3.shape), list(out3.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, elem))
+                            nvmma_layout(tuple(block), elem))

@@ -39,6 +39,7 @@ import torch
 import triton
 
 from . import gluon_attention as _fwd
+from .common import nvmma_layout
 from .device import on_input_device
 from .gluon_attention import HAS_GLUON, HEAD_DIMS, LOG2E
 
@@ -294,8 +295,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
     qm_block, kn_block = [BLOCK_MS[D], D], [BLOCK_N, D]
-    qm_layout = gl.NVMMASharedLayout.get_default_for(qm_block, elem)
-    kn_layout = gl.NVMMASharedLayout.get_default_for(kn_block, elem)
+    qm_layout = nvmma_layout(tuple(qm_block), elem)
+    kn_layout = nvmma_layout(tuple(kn_block), elem)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), qm_block, qm_layout)
     do_desc = TensorDescriptor(do2, list(do2.shape), list(do2.stride()), qm_block, qm_layout)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kn_block, kn_layout)

@@ -52,9 +52,12 @@ kernel 0.36-0.78x of it at M = 1-16, session 12; see the scale loads above).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
+from .common import nvmma_layout
 from .device import on_input_device
 from .w4a16 import PTX_CONSTS, PTX_NIBBLE_PAIRS, PTX_PLANE
 
@@ -111,6 +114,7 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
 
+    @functools.lru_cache(maxsize=None)
     def scales_layout():
         """Shared layout of a scales / zeros box (scales_by="tma"): 128 16-bit values, unswizzled."""
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=1)
@@ -448,11 +452,11 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     block_m, stages = config(m)
     elem = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     x_block = [block_m, BLOCK_K]
-    x_desc = TensorDescriptor(x2, [m, k], [k, 1], x_block, gl.NVMMASharedLayout.get_default_for(x_block, elem))
+    x_desc = TensorDescriptor(x2, [m, k], [k, 1], x_block, nvmma_layout(tuple(x_block), elem))
     words = qweight.view(-1, 16)  # tile-major: K tile t's words for column c are row t * N + c, 16 words each
     w_block = [BLOCK_N, 16]
     w_desc = TensorDescriptor(words, list(words.shape), [16, 1], w_block,
-                              gl.NVMMASharedLayout.get_default_for(w_block, gl.int32))
+                              nvmma_layout(tuple(w_block), gl.int32))
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
     k_tiles = k // BLOCK_K
     chunk = _split_chunk(tiles, k_tiles, _num_sms(x.device)) if splits is None else _chunk_for(k_tiles, splits)
