@@ -83,86 +83,78 @@ def _variant(cfg):
     return lambda q, k, v, causal: gluon_attention_forward(q, k, v, causal=causal, variant=cfg)[0]
 
 
-def bench(impls, head_dims, seqs, variants=False):
-    from triton.testing import do_bench
-
-    rows = []
+def _shapes(head_dims, seqs):
+    """(head_dim, heads, causal, seq, batch) of every row: 16k tokens a batch, HEADS[head_dim] heads."""
     for d in head_dims:
-        h = HEADS[d]
         for causal in (False, True):
             for s in seqs:
-                b = max(TOKENS // s, 1)
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal)
-                for name, fn in impls.items():
-                    try:
-                        ms = do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=50, return_mode="median")
-                        row[name] = dict(ms=ms, tflops=flops(b, h, s, d, causal) / ms * 1e-9)
-                    except Exception as exc:  # noqa: BLE001 - a peer may be missing on this machine
-                        row[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
-                if variants:  # every opt-in variant, timed beside the default and cuDNN in this process
-                    from hf_fastpath.kernels import gluon_attention as ga
+                yield d, HEADS[d], causal, s, max(TOKENS // s, 1)
 
-                    want = impls["sdpa_cudnn"](q, k, v, causal).float()
-                    for name, cfg in ga.variants(d, causal).items():
-                        fn = _variant(cfg)
-                        err = (fn(q, k, v, causal).float() - want).abs().max().item()
-                        ms = do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=50, return_mode="median")
-                        x = dict(config=cfg._asdict(), ms=ms, tflops=flops(b, h, s, d, causal) / ms * 1e-9,
-                                 max_abs_vs_cudnn=err)
-                        if "ms" in row["sdpa_cudnn"]:
-                            x["vs_cudnn"] = row["sdpa_cudnn"]["ms"] / ms
-                        row.setdefault("gluon_variants", {})[name] = x
-                if "tflops" in row["gluon"] and "tflops" in row["sdpa_cudnn"]:
-                    row["gluon_vs_cudnn"] = row["gluon"]["tflops"] / row["sdpa_cudnn"]["tflops"]
-                rows.append(row)
-                _log(_fmt(row))
+
+def _timed(fn, flop):
+    """{ms, tflops} of fn() (do_bench median), or {error} when it raises (a peer may be missing here)."""
+    from triton.testing import do_bench
+
+    try:
+        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - recorded in the row
+        return dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    return dict(ms=ms, tflops=flop / ms * 1e-9)
+
+
+def bench(impls, head_dims, seqs, variants=False):
+    rows = []
+    for d, h, causal, s, b in _shapes(head_dims, seqs):
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal)
+        fl = flops(b, h, s, d, causal)
+        for name, fn in impls.items():
+            row[name] = _timed(lambda: fn(q, k, v, causal), fl)
+        if variants:  # every opt-in variant, timed beside the default and cuDNN in this process
+            from hf_fastpath.kernels import gluon_attention as ga
+
+            want = impls["sdpa_cudnn"](q, k, v, causal).float()
+            for name, cfg in ga.variants(d, causal).items():
+                fn = _variant(cfg)
+                x = dict(config=cfg._asdict(), **_timed(lambda: fn(q, k, v, causal), fl),
+                         max_abs_vs_cudnn=(fn(q, k, v, causal).float() - want).abs().max().item())
+                if "ms" in row["sdpa_cudnn"] and "ms" in x:
+                    x["vs_cudnn"] = row["sdpa_cudnn"]["ms"] / x["ms"]
+                row.setdefault("gluon_variants", {})[name] = x
+        if "tflops" in row["gluon"] and "tflops" in row["sdpa_cudnn"]:
+            row["gluon_vs_cudnn"] = row["gluon"]["tflops"] / row["sdpa_cudnn"]["tflops"]
+        rows.append(row)
+        _log(_fmt(row))
     return rows
 
 
 def bench_backward(head_dims, seqs):
     """Backward only: the Gluon backward and our Triton backward on the same out / lse, and cuDNN's backward as
     (forward + backward) - forward through autograd. FLOPs = 2.5x the forward's."""
-    from triton.testing import do_bench
-
     from hf_fastpath.kernels.flash_attention import flash_attention_backward
     from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
     from hf_fastpath.kernels.gluon_attention_bwd import gluon_attention_backward
 
     cudnn = implementations()["sdpa_cudnn"]
     rows = []
-    for d in head_dims:
-        h = HEADS[d]
-        for causal in (False, True):
-            for s in seqs:
-                b = max(TOKENS // s, 1)
-                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                out, lse = gluon_attention_forward(q, k, v, causal=causal)
-                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-                def cudnn_fwd_bwd():
-                    torch.autograd.grad(cudnn(qg, kg, vg, causal), (qg, kg, vg), do)
-
-                fns = {"gluon": lambda: gluon_attention_backward(do, q, k, v, out, lse, causal=causal),
-                       "triton": lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal)}
-                row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal)
-                fl = 2.5 * flops(b, h, s, d, causal)
-                for name, fn in fns.items():
-                    try:
-                        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
-                        row[name] = dict(ms=ms, tflops=fl / ms * 1e-9)
-                    except Exception as exc:  # noqa: BLE001
-                        row[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
-                both = do_bench(cudnn_fwd_bwd, warmup=10, rep=50, return_mode="median")
-                fwd = do_bench(lambda: cudnn(q, k, v, causal), warmup=10, rep=50, return_mode="median")
-                row["sdpa_cudnn"] = dict(ms=both - fwd, tflops=fl / (both - fwd) * 1e-9, fwd_bwd_ms=both)
-                for name in fns:
-                    if "ms" in row[name]:
-                        row[f"{name}_vs_cudnn"] = row["sdpa_cudnn"]["ms"] / row[name]["ms"]
-                rows.append(row)
-                _log(f"bwd hd{d} S={s} {'causal' if causal else 'full'} "
-                     + "  ".join(f"{n} {row[n].get('tflops', float('nan')):6.1f}" for n in ("gluon", "triton", "sdpa_cudnn"))
-                     + f"  gluon x cuDNN {row.get('gluon_vs_cudnn', float('nan')):.2f}")
+    for d, h, causal, s, b in _shapes(head_dims, seqs):
+        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        out, lse = gluon_attention_forward(q, k, v, causal=causal)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        fl = 2.5 * flops(b, h, s, d, causal)
+        row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal,
+                   gluon=_timed(lambda: gluon_attention_backward(do, q, k, v, out, lse, causal=causal), fl),
+                   triton=_timed(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal), fl))
+        both = _timed(lambda: torch.autograd.grad(cudnn(qg, kg, vg, causal), (qg, kg, vg), do), fl)["ms"]
+        fwd = _timed(lambda: cudnn(q, k, v, causal), fl)["ms"]
+        row["sdpa_cudnn"] = dict(ms=both - fwd, tflops=fl / (both - fwd) * 1e-9, fwd_bwd_ms=both)
+        for name in ("gluon", "triton"):
+            if "ms" in row[name]:
+                row[f"{name}_vs_cudnn"] = row["sdpa_cudnn"]["ms"] / row[name]["ms"]
+        rows.append(row)
+        _log(f"bwd hd{d} S={s} {'causal' if causal else 'full'} "
+             + "  ".join(f"{n} {row[n].get('tflops', float('nan')):6.1f}" for n in ("gluon", "triton", "sdpa_cudnn"))
+             + f"  gluon x cuDNN {row.get('gluon_vs_cudnn', float('nan')):.2f}")
     return rows
 
 

@@ -147,6 +147,8 @@ def plot(json_path, png_path=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from w4a16 import speedup_axis  # benchmarks/w4a16.py: the same panels
+
     png_path = png_path or os.path.splitext(json_path)[0] + ".png"
     with open(json_path) as f:
         res = json.load(f)
@@ -160,12 +162,7 @@ def plot(json_path, png_path=None):
             pts = [(r["M"], r[key]) for r in rows if r.get(key)]
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_title(f"K={k} N={n}")
-        ax.set_xlabel("M (tokens)")
-        ax.grid(True, which="both", alpha=0.3)
+        speedup_axis(ax, k, n)
     axes[0][0].set_ylabel("speed-up over cuBLAS bf16 (x)")
     axes[0][0].legend(fontsize=8)
     meta = res.get("meta", {})

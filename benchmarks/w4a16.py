@@ -466,6 +466,16 @@ def run_sweep(args):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def speedup_axis(ax, k, n):
+    """One layer's panel of a speed-up-over-cuBLAS plot against M: log-log axes, the 1.0 line, labels."""
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_title(f"K={k} N={n}")
+    ax.set_xlabel("M (tokens)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot(json_path, png_path):
     import matplotlib
 
@@ -486,12 +496,7 @@ def plot(json_path, png_path):
             ax.plot(*zip(*pts), "d-.", label="GemLite A16W4")
         ax.plot(ms, [r["grad_input_vs_dequant_cublas"] for r in rows], "^:",
                 label="grad_input / (dequant + cuBLAS)")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_title(f"K={e['K']} N={e['N']}")
-        ax.set_xlabel("M (tokens)")
-        ax.grid(True, which="both", alpha=0.3)
+        speedup_axis(ax, e["K"], e["N"])
     (axes[0] if len(shapes) > 1 else axes).set_ylabel("speed-up over cuBLAS bf16 (x)")
     (axes[0] if len(shapes) > 1 else axes).legend(fontsize=8)
     fig.suptitle(f"W4A16 group {res['group_size']}, {res['gpu']}, torch {res['torch']}, triton {res['triton']}")

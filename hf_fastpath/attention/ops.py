@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..kernels.flash_attention import flash_attention_backward, flash_attention_forward
-from ..kernels.common import warn_once
+from ..kernels.common import gluon_build_failed
 from .params import AttentionParams, make_params
 from .triton_backend import check_inputs
 
@@ -132,9 +132,8 @@ def _gluon_forward(q, k, v, causal, softmax_scale):
         try:
             return gluon_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
         except CompilationError as exc:
-            GLUON_BUILD_ERRORS.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
-            warn_once(__name__, "gluon-build", f"hf_fastpath's Gluon attention kernel does not build with this "
-                      f"Triton ({GLUON_BUILD_ERRORS[0]}); running the Triton kernel instead.")
+            gluon_build_failed(GLUON_BUILD_ERRORS, exc, __name__, "gluon-build", "Gluon attention kernel",
+                               "the Triton kernel")
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 

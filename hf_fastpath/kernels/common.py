@@ -9,7 +9,7 @@ import os
 import torch
 
 __all__ = ["interpreting", "interpret_requested", "triton_runs_on", "cdiv", "next_pow2", "warn_once", "WARNED",
-           "nvmma_layout"]
+           "nvmma_layout", "gluon_build_failed"]
 
 WARNED: set[str] = set()  # keys of the one-time warnings given so far (tests may discard keys to see them again)
 
@@ -65,3 +65,12 @@ def warn_once(logger_name: str, key: str, message: str) -> None:
     if key not in WARNED:
         WARNED.add(key)
         _emit(logger_name, message)
+
+
+def gluon_build_failed(errors: list, exc: Exception, logger_name: str, key: str, what: str, fallback: str) -> None:
+    """A Gluon kernel did not build with this Triton (its Gluon API differs from the 3.6 and 3.9 we build against):
+    record why in `errors` (the caller's module list, which its dispatch reads so as not to try again) and warn
+    once that `fallback` runs instead."""
+    errors.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
+    warn_once(logger_name, key, f"hf_fastpath's {what} does not build with this Triton ({errors[0]}); running "
+                                f"{fallback} instead.")

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, interpreting, warn_once
+from .common import cdiv, gluon_build_failed, interpreting
 from .device import cuda_index, current_stream, num_sms, on_input_device
 from .launch import LaunchCache
 from .w4a16_layout import k_tile_order, w4a16_pack, w4a16_unpack  # noqa: F401  (re-exported: the public API)
@@ -917,9 +917,8 @@ def _gluon_matmul(x2, qweight, scales, zeros, group_size):
     try:
         return gluon_w4a16.gluon_w4a16_matmul(x2, qweight, scales, zeros, group_size)
     except CompilationError as exc:
-        GLUON_BUILD_ERRORS.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
-        warn_once(__name__, "gluon-w4a16-build", f"hf_fastpath's Gluon W4A16 kernel does not build with this "
-                  f"Triton ({GLUON_BUILD_ERRORS[0]}); running the Triton W4A16 kernels instead.")
+        gluon_build_failed(GLUON_BUILD_ERRORS, exc, __name__, "gluon-w4a16-build", "Gluon W4A16 kernel",
+                           "the Triton W4A16 kernels")
         return None
 
 
