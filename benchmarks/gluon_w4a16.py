@@ -60,8 +60,8 @@ def check(gen):
             scale = ref.abs().max().item()
             row = dict(K=k, N=n, M=m)
             plain = functools.partial(gluon_w4a16_matmul, unpack="plain")
-            tma = functools.partial(gluon_w4a16_matmul, scales_by="tma")
-            for name, fn in (("gluon", gluon_w4a16_matmul), ("gluon_plain", plain), ("gluon_tma", tma),
+            load = functools.partial(gluon_w4a16_matmul, scales_by="load")
+            for name, fn in (("gluon", gluon_w4a16_matmul), ("gluon_plain", plain), ("gluon_load", load),
                              ("triton", w4a16_matmul)):
                 try:
                     y = fn(x, qw, s, z, GROUP)
@@ -113,7 +113,7 @@ def bench(shapes, ms, gen, on_row=lambda rows: None):
                 "dequant_cublas_us": _cycle(lambda L, x=x: x @ w4a16_dequantize(*L, GROUP), layers),
                 "gluon_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP), layers),
                 "gluon_plain_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, unpack="plain"), layers),
-                "gluon_tma_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, scales_by="tma"), layers),
+                "gluon_load_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, scales_by="load"), layers),
             }
             for key, fn in cases.items():
                 try:
@@ -128,8 +128,8 @@ def bench(shapes, ms, gen, on_row=lambda rows: None):
                 row["gluon_vs_triton"] = row["triton_us"] / row["gluon_us"]
             if "triton_us" in row and "cublas_us" in row:
                 row["triton_vs_cublas"] = row["cublas_us"] / row["triton_us"]
-            if "gluon_tma_us" in row and "gluon_us" in row:
-                row["gluon_tma_vs_gluon"] = row["gluon_us"] / row["gluon_tma_us"]
+            if "gluon_load_us" in row and "gluon_us" in row:
+                row["gluon_vs_gluon_load"] = row["gluon_load_us"] / row["gluon_us"]
             if "gluon_plain_us" in row and "cublas_us" in row:
                 row["gluon_plain_vs_cublas"] = row["cublas_us"] / row["gluon_plain_us"]
             row["gluon_tflops"] = 2 * m * k * n / row["gluon_us"] / 1e6 if "gluon_us" in row else None
@@ -192,7 +192,8 @@ def main():
                          note="cublas: x @ W with W dequantized to bf16 outside the timing; triton: w4a16_matmul "
                               "(the package's dispatch); fused: our Triton fused kernel forced at every M; "
                               "dequant_cublas: dequantize + cuBLAS timed together; gluon: gluon_w4a16_matmul "
-                              "(PTX pair unpack), gluon_plain: its fp32 unpack, gluon_tma: scales_by='tma'"))
+                              "(defaults: PTX pair unpack, scales and zeros by TMA), gluon_plain: its fp32 unpack, gluon_load: "
+                              "scales_by='load' (the consumers load them)"))
     res["check"] = check(gen)
     shapes = SHAPES[:2] if args.quick else SHAPES
     ms = args.ms or ((1, 64, 1024) if args.quick else MS)

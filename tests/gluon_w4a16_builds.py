@@ -55,7 +55,7 @@ def cases():
     both unpack paths, split-K's fp32 output, scales by TMA: (name, block_m, stages, plane_groups, dtype, ptx, split
     [, scales_tma])."""
     seen = set()
-    for m in (1, 4096):
+    for m in (1, 32, 64, 4096):
         block_m, stages = gw.config(m)
         if block_m in seen:
             continue
@@ -70,7 +70,7 @@ def cases():
         tag = "" if ptx else " plain"
         yield f"m{block_m} s{stages} g128 fp16{tag}", block_m, stages, False, torch.float16, ptx, False
         yield f"m{block_m} s{stages} g64 fp16{tag}", block_m, stages, True, torch.float16, ptx, False
-    for m in (1, 4096):  # scales_by="tma" (group sizes of 128 and up)
+    for m in (1, 32, 64, 4096):  # scales_by="tma" (group sizes of 128 and up)
         block_m, stages = gw.config(m)
         yield f"m{block_m} s{stages} g128 bf16 tma", block_m, stages, False, torch.bfloat16, True, False, True
         yield f"m{block_m} s{stages} g128 bf16 split tma", block_m, stages, False, torch.bfloat16, True, True, True

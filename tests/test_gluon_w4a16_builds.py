@@ -35,9 +35,10 @@ def test_gluon_w4a16_builds_for_sm90(builds):
     # dequantization cannot overlap the MMA, the point of this kernel
     assert not [b for b in builds if b.get("serialized") or b.get("ptxas_notes")], builds
     names = {b["name"] for b in builds}
-    assert {f"m64 s{gw.config(1)[1]} g128 bf16", f"m128 s{gw.config(4096)[1]} g128 bf16",
-            f"m128 s{gw.config(4096)[1]} g64 fp16", f"m128 s{gw.config(4096)[1]} g128 bf16 plain",
-            f"m64 s{gw.config(1)[1]} g128 bf16 tma", f"m128 s{gw.config(4096)[1]} g128 bf16 split tma"} <= names
+    tiles = {f"m{bm} s{st}" for bm, st in (gw.config(m) for m in (1, 32, 64, 4096))}  # every row bucket
+    assert {f"{t} g128 bf16" for t in tiles} | {f"{t} g128 bf16 tma" for t in tiles} <= names
+    big = "m%d s%d" % gw.config(4096)
+    assert {f"{big} g64 fp16", f"{big} g128 bf16 plain", f"{big} g128 bf16 split tma"} <= names
 
 
 def _weights(k, n, gs, dtype=torch.bfloat16):
@@ -57,10 +58,11 @@ def test_supported_is_false_off_gpu():
 
 
 def test_config_fits_shared_memory():
-    for m in (1, 64, 65, 128, 129, 4096):
+    for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 4096):
         block_m, stages = gw.config(m)
-        assert block_m in (64, 128) and block_m >= min(m, 64)
-        assert stages * (block_m * gw.BLOCK_K * 2 + gw.BLOCK_N * 16 * 4) <= HOPPER_SHARED_BYTES - 1024
+        assert block_m in (16, 32, 64, 128) and block_m >= min(m, 128) and (m <= 16 or block_m < 2 * m)
+        # per stage: the x tile, the weight words, and the scales and zeros (scales_by="tma")
+        assert stages * (block_m * gw.BLOCK_K * 2 + gw.BLOCK_N * 16 * 4 + 2 * gw.BLOCK_N * 2) <= HOPPER_SHARED_BYTES - 1024
 
 
 def test_group_sizes():
@@ -80,6 +82,8 @@ def test_group_sizes():
     ("cpu", "Hopper GPUs only"),
     ("unpack", "unpack must be"),
     ("scales_by", "scales_by must be"),
+    ("tma_small_group", "multiples of 128"),
+    ("tma_odd_n", "N a multiple of 8"),
 ])
 def test_argument_errors_name_the_problem(case, match):
     k, n, gs = 256, 64, 128
@@ -101,9 +105,14 @@ def test_argument_errors_name_the_problem(case, match):
         s = s.half()
     elif case == "qweight_dtype":
         qw = qw.to(torch.int64)
+    elif case == "tma_small_group":
+        qw, s, z = _weights(k, n, 64)
+        gs = 64
+    elif case == "tma_odd_n":
+        qw, s, z = _weights(k, 60, gs)
+    scales_by = {"scales_by": "smem", "tma_small_group": "tma", "tma_odd_n": "tma"}.get(case, "load")
     with pytest.raises(ValueError, match=match):
-        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack="fast" if case == "unpack" else "ptx",
-                              scales_by="smem" if case == "scales_by" else "load")
+        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack="fast" if case == "unpack" else "ptx", scales_by=scales_by)
 
 
 def test_the_kernels_index_mapping_on_the_cpu():
@@ -162,8 +171,10 @@ def test_split_k_only_for_few_tiles():
 
 def test_w4a16_matmul_asks_for_gluon_only_in_its_row_range(monkeypatch):
     # on the CPU _gluon_matmul declines (None) and the Triton path answers; the recorder shows which M asked
+    # (as inside a CUDA graph, where the kernel's launch cost does not count)
     from hf_fastpath.kernels import w4a16
 
+    monkeypatch.setattr(w4a16, "_gluon_pays_off", lambda x2: True)
     asked = []
     real = w4a16._gluon_matmul
 
@@ -180,13 +191,26 @@ def test_w4a16_matmul_asks_for_gluon_only_in_its_row_range(monkeypatch):
     assert asked == [w4a16.GLUON_MIN_M, w4a16.GLUON_MAX_M]
 
 
+@pytest.mark.parametrize("capturing, eager_too, want", [(False, False, False), (True, False, True),
+                                                       (False, True, True)])
+def test_gluon_runs_inside_cuda_graphs_or_when_asked(monkeypatch, capturing, eager_too, want):
+    """Eager W4A16 forward passes are host-bound, where Gluon's costlier launch loses: Gluon runs while a CUDA
+    graph is captured, or eagerly with GLUON_EAGER."""
+    from hf_fastpath.kernels import w4a16
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(w4a16, "GLUON_EAGER", eager_too)
+    assert w4a16._gluon_pays_off(torch.empty(128, 4096)) == want
+
+
 def _pretend_hopper(monkeypatch, kernel):
     from hf_fastpath.kernels import w4a16
 
     monkeypatch.setattr(w4a16, "interpreting", lambda: False)
     monkeypatch.setattr(w4a16, "GLUON_BUILD_ERRORS", [])
     monkeypatch.setattr(gw, "supported", lambda x, qweight, group_size: True)
-    monkeypatch.setattr(gw, "gluon_w4a16_matmul", kernel)
+    monkeypatch.setattr(gw, "gluon_w4a16_matmul_rows", kernel)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     return w4a16
 

@@ -104,6 +104,24 @@ def test_arguments_it_cannot_key_take_tritons_path(cache):
     assert len(slow) == 2 and not fast
 
 
+def test_tma_descriptors_are_keyed_by_dtype_block_and_layout(cache):
+    """A host TMA descriptor specializes the kernel on its dtype, block shape and layout only (Triton's own key);
+    another address or shape reuses the kernel, another block or dtype compiles anew."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    c, slow, fast = cache
+
+    def call(t, block):
+        c.launch((1,), (TensorDescriptor.from_tensor(t, block), *_args()[1:]), dict(BLOCK=32), "k")
+
+    call(torch.zeros(64, 64), [16, 32])
+    call(torch.zeros(128, 32), [16, 32])  # other address and shape: same kernel
+    assert len(slow) == 1 and len(fast) == 1 and fast[0][9].base.shape == (128, 32)
+    call(torch.zeros(64, 64), [32, 32])
+    call(torch.zeros(64, 64, dtype=torch.float16), [16, 32])
+    assert len(slow) == 3 and len(fast) == 1
+
+
 def test_values_with_the_same_specialization_share_a_kernel(cache):
     c, slow, fast = cache
     c.launch((1,), _args(n=17), dict(BLOCK=32), "k")

@@ -1,7 +1,7 @@
 """W4A16 mixed-input GEMM for Hopper (sm_90) in Gluon, Machete style ("swap AB", register-A wgmma, warp
-specialization). Status: GPU-verified on an H200 (session 12); `w4a16_matmul` runs it on Hopper for 65-512 rows,
-where it measured fastest (`kernels.w4a16.GLUON_MIN_M / GLUON_MAX_M`). `scales_by="tma"`: written and compiled
-offline in session 12, NOT yet run on a GPU.
+specialization). Status: GPU-verified on an H200 (sessions 12-13, 259 cases); `w4a16_matmul` runs it on Hopper for
+24-512 rows inside CUDA graphs, where it measured fastest (`kernels.w4a16.GLUON_MIN_M / GLUON_MAX_M`; eagerly its
+launch's host time loses: `w4a16.GLUON_EAGER`).
 
 Same semantics and weight layout as `kernels.w4a16.w4a16_matmul` (layout: `kernels.w4a16_layout`): qweight int32
 [K // 8, N] K-tiled and tile-major, scales / zeros [K // gs, N] in x's dtype, W[k, n] = s * (code - z), y = x @ W.
@@ -25,15 +25,15 @@ Why this shape (plain Triton cannot overlap the dequantization with the MMA: doc
 - Two register sets for A, alternating between even and odd K tiles and carried through the loop: the registers
   a wgmma reads are never rewritten before the wait that retires it (the read-after-write hazard of pipelined
   register-A wgmma, triton issue 9433 / PR 9514, which Triton 3.6 does not have).
-- Scales and zeros are loaded by the consumers (plain loads, one K tile ahead, held in registers): one row per
-  tile for groups of 128 and more, one per 16-input plane for groups of 32 / 64. At M = 1 a K tile takes ~1 µs
-  against ~0.15 µs of work, likely this load's latency; `scales_by="tma"` (groups of 128 and more) has the
-  producer bring each tile's 128 scales and zeros through the ring instead, as 1-D boxes of the flat [G * N]
-  tensors (no alignment condition on N; a box past N reads values only masked-out columns use).
+- Scales and zeros (default, groups of 128 and more, N a multiple of 8): the producer brings each tile's 128
+  scales and zeros through the ring with its weights, as 1-D TMA boxes of the flat [G * N] tensors (a box past N
+  reads values only masked-out columns use; boxes that start off 16 bytes, N = 1001, faulted). Otherwise
+  (`scales_by="load"`, groups of 32 / 64: one row per 16-input plane) the consumers load them one K tile ahead
+  into registers: an unhidden load per tile, 1.05-1.45x slower (session 13).
 - The output is stored transposed back (rows = M) with masks; x rows past M come from TMA's zero fill, weight
   columns past N read the next tile's words (finite garbage in masked columns).
-- Tiles: BLOCK_N 128 (2 x 64), BLOCK_K 128, BLOCK_M 64 (M <= 64, 8 stages) or 128 (5 stages); ~200 KB of shared
-  memory. Launch maxnreg 168, setmaxnreg 240 consumers / 24 producer (as `gluon_attention`).
+- Tiles: BLOCK_N 128 (2 x 64), BLOCK_K 128, BLOCK_M (wgmma's N) 16 / 32 / 64 / 128 by M with 16 / 12 / 8 / 5
+  stages (`config`); ~200 KB of shared memory. Launch maxnreg 168, setmaxnreg 240 consumers / 24 producer (as `gluon_attention`).
 What ptxas needs to keep the wgmmas asynchronous (read off `ptxas -v` notes C7514/C7515 and the SASS, 3.6's
 ptxas 12.8 and 3.9's 13.4; `tests/gluon_w4a16_builds.py` checks every build): no branch and no write of the
 accumulator between a wgmma and the wait that retires it. Three things broke that and each made ptxas serialize
@@ -46,8 +46,9 @@ this kernel; the accumulator is carried as the async token instead (`warpgroup_m
 - Split-K when the output tiles leave most SMs idle (small M): each split writes fp32 partials and torch sums
   them (deterministic; two extra small kernels). CTAs run in grouped order (GROUP_M row tiles per band) for L2.
 Limits (`supported` says no, `gluon_w4a16_matmul` raises): K a multiple of 128 (no ragged K tile), group size 32,
-64 or a multiple of 128 (incl. -1 = K), bf16/fp16, sm_90. At M <= 64 the plain-Triton fused kernel is faster (this
-kernel 0.36-0.78x of it at M = 1-16, session 12; see the scale loads above).
+64 or a multiple of 128 (incl. -1 = K), bf16/fp16, sm_90. At M = 1 the plain-Triton fused kernel is faster (this
+kernel 0.64-0.90x of it, ~0.56 µs per K tile against ~0.2 µs of weight bytes; session 13), at M = 16 on two of
+four Llama-3 shapes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ import torch
 import triton
 
 from .common import nvmma_layout
-from .device import on_input_device
+from .device import compute_major, on_input_device
+from .launch import LaunchCache
 from .w4a16 import PTX_CONSTS, PTX_NIBBLE_PAIRS, PTX_PLANE
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
@@ -72,7 +74,7 @@ try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` sa
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
 
-__all__ = ["gluon_w4a16_matmul", "supported", "config", "HAS_GLUON"]
+__all__ = ["gluon_w4a16_matmul", "gluon_w4a16_matmul_rows", "supported", "config", "HAS_GLUON"]
 
 BLOCK_K = 128  # inputs per K tile: 16 packed word rows, the 8 nibble planes of 16 inputs each
 ROWS_PER_WARPGROUP = 64  # wgmma M: weight rows (output columns) per consumer warpgroup
@@ -85,9 +87,15 @@ GROUP_M = 8  # row tiles per band of the CTA order (L2 reuse); not tuned on a GP
 
 
 def config(m: int) -> tuple[int, int]:
-    """(BLOCK_M, STAGES) for M rows: the wgmma N is BLOCK_M. Stages fill ~200 KB of shared memory (x tile
-    BLOCK_M * 256 bytes + 8 KB of words per stage). 256-row tiles spill under ptxas (128 accumulator + 64 A
-    registers > the 168 it allocates), so larger M takes more 128-row tiles. Not tuned on a GPU yet."""
+    """(BLOCK_M, STAGES) for M rows: the wgmma N is BLOCK_M, so rows past M are tensor-core work thrown away (at
+    M = 1 a 64-row tile made each K tile ~0.28 µs of MMA against ~0.2 µs of weight bytes: the tile's measured
+    ~0.8 µs at 4096 x 14336). Stages fill ~200 KB of shared memory (x tile BLOCK_M * 256 bytes + 8 KB of words +
+    512 bytes of scales and zeros per stage). 256-row tiles spill under ptxas (128 accumulator + 64 A registers >
+    the 168 it allocates), so larger M takes more 128-row tiles."""
+    if m <= 16:
+        return 16, 16
+    if m <= 32:
+        return 32, 12
     if m <= 64:
         return 64, 8
     return 128, 5
@@ -335,6 +343,8 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
                          kt0, n_steps, group_size, STAGES, SCALES_TMA)),
         ], [4, 1], _REGS)
 
+    _LAUNCH = LaunchCache(_w4a16_kernel)
+
 
 def _chunk_for(k_tiles: int, splits: int) -> int:
     """K tiles per split for about `splits` splits: even whenever there are several (a phantom tile, added to an
@@ -358,6 +368,13 @@ def _num_sms(device) -> int:
     return num_sms(device)
 
 
+def scales_by_tma(n: int, group_size: int) -> bool:
+    """Whether the producer can bring the scales and zeros by TMA: 128-value boxes of the flat [G * N] tensors,
+    one per K tile (groups of >= 128 inputs) starting on 16 bytes (N = 1001 raised an illegal-instruction fault
+    on the H200)."""
+    return group_size % BLOCK_K == 0 and n % 8 == 0
+
+
 def supported(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
     """Whether `gluon_w4a16_matmul` takes these inputs on this machine (else the caller falls back)."""
     if not (HAS_GLUON and isinstance(x, torch.Tensor) and isinstance(qweight, torch.Tensor)):
@@ -367,11 +384,11 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
         return False
     k = qweight.shape[0] * 8
     gs = k if group_size in (-1, None) else int(group_size)
-    return (torch.cuda.get_device_capability(x.device) == (9, 0) and k > 0 and k % BLOCK_K == 0
+    return (compute_major(x.device) == 9 and k > 0 and k % BLOCK_K == 0
             and x.shape[-1] == k and gs > 0 and _group_ok(gs, k))
 
 
-def _check(x, qweight, scales, zeros, group_size):
+def _check(x, qweight, scales, zeros, group_size, scales_by="load"):
     what = "gluon_w4a16_matmul"
     if not HAS_GLUON:
         raise ValueError(f"{what} needs Triton with Gluon's Hopper module (triton >= 3.6); use "
@@ -392,6 +409,10 @@ def _check(x, qweight, scales, zeros, group_size):
     if gs <= 0 or k % gs != 0 or not _group_ok(gs, k):
         raise ValueError(f"{what}: group_size {group_size} is not supported (32, 64, a multiple of 128 dividing "
                          f"K = {k}, or -1); use w4a16_matmul for this layer")
+    if scales_by == "tma" and not scales_by_tma(n, gs):
+        raise ValueError(f"{what}: scales_by='tma' takes group sizes that are multiples of {BLOCK_K} (or one "
+                         f"group) and N a multiple of 8 (each box starts on 16 bytes), got group_size {group_size}, "
+                         f"N = {n}; use scales_by='load'")
     for name, t in (("scales", scales), ("zeros", zeros)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (k // gs, n):
             raise ValueError(f"{what}: {name} must have shape [K // group_size, N] = [{k // gs}, {n}], got "
@@ -405,7 +426,7 @@ def _check(x, qweight, scales, zeros, group_size):
                              "w4a16_matmul)")
     if any(t.device != x.device for t in (qweight, scales, zeros)):
         raise ValueError(f"{what}: x, qweight, scales and zeros must be on one device")
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if compute_major(x.device) != 9:
         raise ValueError(f"{what} runs on Hopper (sm_90) GPUs only; elsewhere use w4a16_matmul")
     return k, n, gs
 
@@ -413,60 +434,70 @@ def _check(x, qweight, scales, zeros, group_size):
 @on_input_device
 def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int, *, unpack: str = "ptx", splits: int | None = None,
-                       scales_by: str = "load") -> torch.Tensor:
+                       scales_by: str = "auto") -> torch.Tensor:
     """y = x @ W with W held as 4-bit words (`w4a16_pack`'s layout), as `w4a16_matmul`: x [..., K] bf16/fp16,
     returns [..., N] in x's dtype. group_size: 32, 64, a multiple of 128, or -1 (one group over K).
     unpack: "ptx" (16-bit pair arithmetic, exact q - z for integer zero points, as every checkpoint format stores)
     or "plain" (fp32 arithmetic, any float zero point; ~3x the dequantization instructions).
     splits: K splits (None: enough to fill the GPU when there are few output tiles, i.e. small M); with more than
     one, fp32 partial sums are written and summed (deterministically) by torch.
-    scales_by: "load" (the consumers load each tile's scales and zeros one tile ahead) or "tma" (the producer
-    brings them with the tile through the ring; group sizes that are a multiple of 128 or one group). Opt-in,
-    written in session 12 to hide the per-tile load latency at small M, NOT yet run on a GPU."""
+    scales_by: "tma" (the producer brings each tile's scales and zeros through the ring with its weights: 1.05-1.35x
+    faster on the H200, session 13; group sizes that are a multiple of 128 or one group, N a multiple of 8),
+    "load" (the consumers load them one tile ahead), or "auto" (default): "tma" where it applies."""
     if unpack not in ("ptx", "plain"):
         raise ValueError(f"gluon_w4a16_matmul: unpack must be 'ptx' or 'plain', got {unpack!r}")
-    if scales_by not in ("load", "tma"):
-        raise ValueError(f"gluon_w4a16_matmul: scales_by must be 'load' or 'tma', got {scales_by!r}")
+    if scales_by not in ("auto", "load", "tma"):
+        raise ValueError(f"gluon_w4a16_matmul: scales_by must be 'auto', 'load' or 'tma', got {scales_by!r}")
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"gluon_w4a16_matmul: splits must be a positive int or None, got {splits!r}")
-    k, n, gs = _check(x, qweight, scales, zeros, group_size)
+    k, n, gs = _check(x, qweight, scales, zeros, group_size, scales_by)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:  # TMA: dense rows, a 16-byte aligned base
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    m = x2.shape[0]
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = gluon_w4a16_matmul_rows(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), gs,
+                                unpack=unpack, splits=splits, scales_by=scales_by)
+    return y.reshape(*lead, n)
+
+
+def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int, *, unpack: str = "ptx", splits: int | None = None,
+                            scales_by: str = "auto") -> torch.Tensor:
+    """`gluon_w4a16_matmul` without its argument checks, for callers that checked the layer once and asked
+    `supported` (`w4a16_matmul_rows`): x2 [M, K] with unit column stride on x2's current device, contiguous
+    weights in x2's dtype, group_size the effective one. Returns [M, N]. Its host time is what an eager prefill
+    pays per linear: the launch skips Triton's argument binding (`LaunchCache`, ~50 µs on the H200's host)."""
+    m, k = x2.shape
+    n = qweight.shape[1]
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     if m == 0 or n == 0:
-        return y.reshape(*lead, n)
-    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+        return y
+    if x2.stride(0) != k or x2.data_ptr() % 16 != 0:  # TMA: dense rows, a 16-byte aligned base
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     if qweight.data_ptr() % 16 != 0:  # a view into a larger buffer: TMA needs a 16-byte aligned base
         qweight = qweight.clone()
     s_desc = z_desc = None
-    if scales_by == "tma":
-        if gs % BLOCK_K != 0:
-            raise ValueError(f"gluon_w4a16_matmul: scales_by='tma' takes group sizes that are multiples of {BLOCK_K} "
-                             f"(or one group), got {group_size}; use scales_by='load'")
+    if scales_by == "tma" or (scales_by == "auto" and scales_by_tma(n, group_size)):
         s_desc, z_desc = (TensorDescriptor(t.view(-1) if t.data_ptr() % 16 == 0 else t.reshape(-1).clone(),
                                            [t.numel()], [1], [BLOCK_N], scales_layout()) for t in (scales, zeros))
-
     block_m, stages = config(m)
-    elem = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    x_block = [block_m, BLOCK_K]
-    x_desc = TensorDescriptor(x2, [m, k], [k, 1], x_block, nvmma_layout(tuple(x_block), elem))
+    elem = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
+    x_block = (block_m, BLOCK_K)
+    x_desc = TensorDescriptor(x2, [m, k], [k, 1], list(x_block), nvmma_layout(x_block, elem))
     words = qweight.view(-1, 16)  # tile-major: K tile t's words for column c are row t * N + c, 16 words each
-    w_block = [BLOCK_N, 16]
-    w_desc = TensorDescriptor(words, list(words.shape), [16, 1], w_block,
-                              nvmma_layout(tuple(w_block), gl.int32))
+    w_desc = TensorDescriptor(words, list(words.shape), [16, 1], [BLOCK_N, 16], nvmma_layout((BLOCK_N, 16), gl.int32))
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
     k_tiles = k // BLOCK_K
-    chunk = _split_chunk(tiles, k_tiles, _num_sms(x.device)) if splits is None else _chunk_for(k_tiles, splits)
+    chunk = _split_chunk(tiles, k_tiles, _num_sms(x2.device)) if splits is None else _chunk_for(k_tiles, splits)
     n_splits = triton.cdiv(k_tiles, chunk)
     # several splits: fp32 partials [splits, M, N] summed here (deterministic: no atomics)
-    out = y if n_splits == 1 else torch.empty((n_splits, m, n), device=x.device, dtype=torch.float32)
-    _w4a16_kernel[(tiles * n_splits, )](x_desc, w_desc, s_desc, z_desc, scales, zeros, out, m, n, k_tiles, chunk,
-                                        gs, STAGES=stages, PLANE_GROUPS=gs in PLANE_GROUP_SIZES, PTX=unpack == "ptx",
-                                        GROUP_M=GROUP_M, SCALES_TMA=s_desc is not None, num_warps=4,
-                                        maxnreg=MAXNREG)
+    out = y if n_splits == 1 else torch.empty((n_splits, m, n), device=x2.device, dtype=torch.float32)
+    plane_groups, ptx, tma_scales = group_size in PLANE_GROUP_SIZES, unpack == "ptx", s_desc is not None
+    _LAUNCH.launch((tiles * n_splits, ), (x_desc, w_desc, s_desc, z_desc, scales, zeros, out, m, n, k_tiles, chunk,
+                                         group_size),
+                   dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=GROUP_M, SCALES_TMA=tma_scales,
+                        num_warps=4, maxnreg=MAXNREG),
+                   (stages, plane_groups, ptx, tma_scales))
     if n_splits > 1:
-        y.copy_(out.sum(dim=0))
-    return y.reshape(*lead, n)
+        torch.sum(out, dim=0, out=y)  # fp32 sums rounded once into y
+    return y

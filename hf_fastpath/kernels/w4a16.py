@@ -31,8 +31,9 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     is slow at M = 128), loses from 256-384; with big tiles (up to 256 x 128, 8 warps) it stays <= 0.6x cuBLAS,
     because ptxas serializes wgmmas whose A operand comes from registers (a wait after each), so the unpack
     never overlaps the MMA (session 9, benchmarks/results/archive/w4a16_prefill_fused_s9.json).
-  * On Hopper, 65-512 rows run the Gluon kernel instead (`gluon_w4a16`): a TMA producer warp and register-A
-    wgmmas that stay asynchronous, so the unpack overlaps the MMA (GLUON_MIN_M / GLUON_MAX_M).
+  * On Hopper, 24-512 rows run the Gluon kernel instead (`gluon_w4a16`): a TMA producer warp and register-A
+    wgmmas that stay asynchronous, so the unpack overlaps the MMA (GLUON_MIN_M / GLUON_MAX_M); outside CUDA-graph
+    capture only: eagerly its launch's host time outweighs its GPU-time lead (GLUON_EAGER).
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
     counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
   * Layers that share their input (q/k/v, gate/up) run as one launch when stored back to back (SEGMENTED mode,
@@ -52,6 +53,7 @@ import logging
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
 
 from .common import cdiv, gluon_build_failed, interpreting
 from .device import cuda_index, current_stream, num_sms, on_input_device
@@ -66,11 +68,18 @@ logger = logging.getLogger(__name__)
 
 DECODE_MAX_M = 192  # forward: above this many rows dequantize + cuBLAS (H200: faster from M = 256 on 4096^2,
 # from 384 on every Llama-3 shape; benchmarks/results/archive/w4a16_prefill_crossover_s4.json)
-# Hopper: from 65 to 512 rows the Gluon kernel (`gluon_w4a16`: TMA producer warp, register-A wgmma overlapping the
-# unpack) runs instead. H200, Llama-3 shapes (benchmarks/results/gluon_w4a16_crossover.json, session 12): 1.1-1.5x
-# the fused kernel at 96-192 rows, 1.0-1.4x dequantize + cuBLAS at 256-512 (0.95x on 4096^2 at 256); it lost to
-# the fused kernel on the large layers at 32-64 rows and to dequantize + cuBLAS from 768.
-GLUON_MIN_M, GLUON_MAX_M = 65, 512
+# Hopper: from 24 to 512 rows the Gluon kernel (`gluon_w4a16`: TMA producer warp, register-A wgmma overlapping the
+# unpack) runs instead. H200, Llama-3 shapes, scales by TMA, 16/32-row tiles (benchmarks/results/gluon_w4a16.json,
+# session 13): 1.1-1.4x the fused kernel at 32-64 rows (its 32-row tile beat the fused kernel's 24-row times on all
+# four shapes), 1.05-1.4x the fused kernel or dequantize + cuBLAS at 128-512; at 16 rows it won on two shapes of
+# four, at 1 row on none (0.64-0.90x); from 768 it ties dequantize + cuBLAS (0.89-1.10x, gluon_w4a16_crossover.json).
+GLUON_MIN_M, GLUON_MAX_M = 24, 512
+# ...inside CUDA graphs only (torch.compile mode="reduce-overhead", static-cache generate), unless GLUON_EAGER: its
+# launch costs more host time than the fused kernel's (57 vs 33 µs a call on one H200 host, 120-140 vs 35-50 on
+# another: TMA descriptors, Triton's launcher for them, split-K partial sums), and eager forward passes are
+# host-bound at these row counts. 4-layer Llama-3-8B W4A16 prefill of 48-512 tokens (benchmarks/results/
+# w4a16_prefill.json, session 13): from a CUDA graph 1.07-1.17x faster with Gluon; eagerly 0.52-0.90x with it.
+GLUON_EAGER = False
 GLUON_BUILD_ERRORS: list[str] = []  # the Gluon kernel failed to build with this Triton: not tried again
 GRAD_DECODE_MAX_M = 16  # grad_input: the fused kernel only wins for very few rows (H200 sweep)
 _BLOCK_K = 128  # input rows per K step of the decode kernels (16 packed rows: the minimum tensor-core K)
@@ -890,7 +899,7 @@ def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     group_size the effective one (K for a single group). Returns [M, N]. Decoding calls this once per linear per
     token, so its host time per call is what eager generate() pays."""
     m = x2.shape[0]
-    if GLUON_MIN_M <= m <= GLUON_MAX_M:
+    if GLUON_MIN_M <= m <= GLUON_MAX_M and _gluon_pays_off(x2):
         y = _gluon_matmul(x2, qweight, scales, zeros, group_size)
         if y is not None:
             return y
@@ -903,19 +912,23 @@ def w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     return out
 
 
+def _gluon_pays_off(x2) -> bool:
+    """Whether the Gluon kernel's GPU-time lead counts: inside a CUDA graph (captured once, replayed without host
+    work), or eagerly if GLUON_EAGER asks for it (eager W4A16 forward passes measured host-bound: GLUON_EAGER)."""
+    return GLUON_EAGER or (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _gluon_matmul(x2, qweight, scales, zeros, group_size):
     """x2 @ W by the Gluon kernel, or None where it does not run (not Hopper, no Gluon in this Triton, a layer it
     does not take, or it failed to build here: one warning, then the Triton paths from then on)."""
     if GLUON_BUILD_ERRORS or not x2.is_cuda or interpreting():
         return None
-    from triton.compiler.errors import CompilationError
-
     from . import gluon_w4a16  # imports this module (the shared PTX): only here, not at import time
 
     if not gluon_w4a16.supported(x2, qweight, group_size):
         return None
     try:
-        return gluon_w4a16.gluon_w4a16_matmul(x2, qweight, scales, zeros, group_size)
+        return gluon_w4a16.gluon_w4a16_matmul_rows(x2, qweight, scales, zeros, group_size)
     except CompilationError as exc:
         gluon_build_failed(GLUON_BUILD_ERRORS, exc, __name__, "gluon-w4a16-build", "Gluon W4A16 kernel",
                            "the Triton W4A16 kernels")
