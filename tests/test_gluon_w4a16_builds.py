@@ -62,7 +62,8 @@ def test_config_fits_shared_memory():
         block_m, stages = gw.config(m)
         assert block_m in (16, 32, 64, 128) and block_m >= min(m, 128) and (m <= 16 or block_m < 2 * m)
         # per stage: the x tile, the weight words, and the scales and zeros (scales_by="tma")
-        assert stages * (block_m * gw.BLOCK_K * 2 + gw.BLOCK_N * 16 * 4 + 2 * gw.BLOCK_N * 2) <= HOPPER_SHARED_BYTES - 1024
+        per_stage = block_m * gw.BLOCK_K * 2 + gw.BLOCK_N * 16 * 4 + 2 * gw.BLOCK_N * 2
+        assert stages * per_stage <= HOPPER_SHARED_BYTES - 1024
 
 
 def test_group_sizes():

@@ -29,11 +29,12 @@ Why this shape (plain Triton cannot overlap the dequantization with the MMA: doc
   scales and zeros through the ring with its weights, as 1-D TMA boxes of the flat [G * N] tensors (a box past N
   reads values only masked-out columns use; boxes that start off 16 bytes, N = 1001, faulted). Otherwise
   (`scales_by="load"`, groups of 32 / 64: one row per 16-input plane) the consumers load them one K tile ahead
-  into registers: an unhidden load per tile, 1.05-1.45x slower (session 13).
+  into registers: an unhidden load per tile, 1.04-1.49x slower (session 13).
 - The output is stored transposed back (rows = M) with masks; x rows past M come from TMA's zero fill, weight
   columns past N read the next tile's words (finite garbage in masked columns).
 - Tiles: BLOCK_N 128 (2 x 64), BLOCK_K 128, BLOCK_M (wgmma's N) 16 / 32 / 64 / 128 by M with 16 / 12 / 8 / 5
-  stages (`config`); ~200 KB of shared memory. Launch maxnreg 168, setmaxnreg 240 consumers / 24 producer (as `gluon_attention`).
+  stages (`config`); ~200 KB of shared memory. Launch maxnreg 168, setmaxnreg 240 consumers / 24 producer (as
+  `gluon_attention`).
 What ptxas needs to keep the wgmmas asynchronous (read off `ptxas -v` notes C7514/C7515 and the SASS, 3.6's
 ptxas 12.8 and 3.9's 13.4; `tests/gluon_w4a16_builds.py` checks every build): no branch and no write of the
 accumulator between a wgmma and the wait that retires it. Three things broke that and each made ptxas serialize
@@ -441,7 +442,7 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     or "plain" (fp32 arithmetic, any float zero point; ~3x the dequantization instructions).
     splits: K splits (None: enough to fill the GPU when there are few output tiles, i.e. small M); with more than
     one, fp32 partial sums are written and summed (deterministically) by torch.
-    scales_by: "tma" (the producer brings each tile's scales and zeros through the ring with its weights: 1.05-1.35x
+    scales_by: "tma" (the producer brings each tile's scales and zeros through the ring with its weights: 1.04-1.49x
     faster on the H200, session 13; group sizes that are a multiple of 128 or one group, N a multiple of 8),
     "load" (the consumers load them one tile ahead), or "auto" (default): "tma" where it applies."""
     if unpack not in ("ptx", "plain"):

@@ -32,8 +32,8 @@ How the kernels avoid the usual costs (all measured / read off the SASS on sm_90
     because ptxas serializes wgmmas whose A operand comes from registers (a wait after each), so the unpack
     never overlaps the MMA (session 9, benchmarks/results/archive/w4a16_prefill_fused_s9.json).
   * On Hopper, 24-512 rows run the Gluon kernel instead (`gluon_w4a16`): a TMA producer warp and register-A
-    wgmmas that stay asynchronous, so the unpack overlaps the MMA (GLUON_MIN_M / GLUON_MAX_M); outside CUDA-graph
-    capture only: eagerly its launch's host time outweighs its GPU-time lead (GLUON_EAGER).
+    wgmmas that stay asynchronous, so the unpack overlaps the MMA (GLUON_MIN_M / GLUON_MAX_M); only while a CUDA
+    graph is captured: eagerly its launch's host time outweighs its GPU-time lead (GLUON_EAGER).
   * Split-K: partial sums meet in an fp32 workspace through atomics; the last program of each tile (a ticket
     counter) casts the sum into the output and re-zeroes its workspace, so a call is one launch.
   * Layers that share their input (q/k/v, gate/up) run as one launch when stored back to back (SEGMENTED mode,
