@@ -2,8 +2,9 @@
 timing), the package's `w4a16_matmul` dispatch (`triton_us`: fused split-K Triton up to 192 rows, dequantize +
 cuBLAS above, and on Hopper inside CUDA graphs this Gluon kernel for 24-512 rows), the fused Triton kernel forced
 at every M (`fused_us`) and dequantize + cuBLAS timed together (`dequant_cublas_us`), in one process: a
-correctness check against float64 first, then CUDA-graph times (`triton.testing.do_bench_cudagraph`, median) for M in 1...4096 on Llama-3 shapes, group 128, bf16. Weight copies cycle past L2 (>= 64 MB per set) so
-that small M reads its weights from HBM, as in decoding.
+correctness check against float64 first, then CUDA-graph times (`triton.testing.do_bench_cudagraph`, median)
+for M in 1...4096 on Llama-3 shapes, group 128, bf16. Weight copies cycle past L2 (>= 64 MB per set) so that small
+M reads its weights from HBM, as in decoding.
 
     python benchmarks/gluon_w4a16.py                 # GPU: writes benchmarks/results/gluon_w4a16.json (+ .png)
     python benchmarks/gluon_w4a16.py --quick         # fewer shapes / M (a first look)
