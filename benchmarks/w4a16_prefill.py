@@ -6,7 +6,7 @@ range inside CUDA graphs only), the Triton paths only (no Gluon), and Gluon in i
   python benchmarks/w4a16_prefill.py [--layers 4] [--out benchmarks/results/w4a16_prefill.json]
   python benchmarks/w4a16_prefill.py --plot benchmarks/results/w4a16_prefill.json   # no GPU needed: -> .png
 
-Random weights, batch 1, `model(ids, use_cache=False)` under no_grad; median of 20 timed calls after warm-up.
+Random weights, batch 1, `model(ids, use_cache=False)` under no_grad; median of 20 timed calls after a warm-up.
 Needs a CUDA GPU.
 """
 
@@ -16,30 +16,20 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from end_to_end import _sync_time  # noqa: E402
 from w4a16_generate import LLAMA3_8B  # noqa: E402
 
 PROMPTS = (48, 128, 256, 512)
 
 
-def _median_ms(fn, calls=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _median_ms(fn):
+    return _sync_time(fn, reps=20) * 1e3
 
 
 def run(args):
