@@ -30,7 +30,9 @@ def test_gluon_w4a16_builds_for_sm90(builds):
     assert not [b for b in builds if "ptxas_error" in b], builds  # Triton's wheel ships ptxas: it must report
     assert not [b for b in builds if b["ptxas_spill_bytes"]], builds  # ptxas spills
     # one register-A wgmma group per K tile step: 8 x K=16 wgmmas each, one wait with a group in flight
-    assert all(b["wgmma"] % 8 == 0 and b["wgmma_wait_1"] > 0 for b in builds), builds
+    # the main loop keeps the last tile's wgmma groups in flight: one group a tile, two with acc_halves
+    assert all(b["wgmma"] % 8 == 0 and b["wgmma_wait_2" if "halves" in b["name"] else "wgmma_wait_1"] > 0
+               for b in builds), builds
     # ptxas keeps the wgmmas asynchronous (no C7514/C7515 note, no wait right after each HGMMA): otherwise the
     # dequantization cannot overlap the MMA, the point of this kernel
     assert not [b for b in builds if b.get("serialized") or b.get("ptxas_notes")], builds
@@ -85,6 +87,9 @@ def test_group_sizes():
     ("scales_by", "scales_by must be"),
     ("tma_small_group", "multiples of 128"),
     ("tma_odd_n", "N a multiple of 8"),
+    ("halves_plain", "acc_halves needs"),
+    ("halves_load", "acc_halves needs"),
+    ("halves_rows", "at most 64 rows"),
 ])
 def test_argument_errors_name_the_problem(case, match):
     k, n, gs = 256, 64, 128
@@ -111,9 +116,13 @@ def test_argument_errors_name_the_problem(case, match):
         gs = 64
     elif case == "tma_odd_n":
         qw, s, z = _weights(k, 60, gs)
-    scales_by = {"scales_by": "smem", "tma_small_group": "tma", "tma_odd_n": "tma"}.get(case, "load")
+    elif case == "halves_rows":
+        x = torch.randn(65, k, dtype=torch.bfloat16)
+    scales_by = {"scales_by": "smem", "tma_small_group": "tma", "tma_odd_n": "tma", "halves_plain": "auto",
+                 "halves_rows": "auto"}.get(case, "load")
+    unpack = {"unpack": "fast", "halves_plain": "plain"}.get(case, "ptx")
     with pytest.raises(ValueError, match=match):
-        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack="fast" if case == "unpack" else "ptx", scales_by=scales_by)
+        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack=unpack, scales_by=scales_by, acc_halves=case.startswith("halves"))
 
 
 def test_the_kernels_index_mapping_on_the_cpu():

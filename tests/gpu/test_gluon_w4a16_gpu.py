@@ -45,12 +45,12 @@ def _layer(k, n, gs, dtype, zeros="asym"):
     return _LAYERS[key]
 
 
-def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto"):
+def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto", acc_halves=False):
     qweight, scales, z, w64 = _layer(k, n, gs, dtype, zeros)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     assert gw.supported(x, qweight, gs)
-    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by, acc_halves=acc_halves)
     torch.cuda.synchronize()
     ref = x.double() @ w64
     assert y.shape == (m, n) and y.dtype == dtype
@@ -144,6 +144,18 @@ def test_scales_by_tma_is_bitwise_the_loads(kng, m):
     assert torch.equal(y, gw.gluon_w4a16_matmul(x, qweight, scales, z, eff, scales_by="load"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 64])
+@pytest.mark.parametrize("kng", [(4096, 4096, 128), (4096, 14336, 128), (512, 1000, 128), (384, 200, -1),
+                                 (14336, 4096, 256)], ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
+def test_acc_halves_matches_float64(kng, m, dtype):
+    """acc_halves (each K tile's halves on their own accumulator): every row tile it takes (16, 32, 64), N not a
+    multiple of 128, an odd K-tile count (384), split-K (small M on 32-column-tile layers), one group."""
+    k, n, gs = kng
+    eff = k if gs == -1 else gs
+    _check(f"{dtype} g{gs} M={m} K={k} N={n} halves", m, k, n, eff, dtype, acc_halves=True)
+
+
 def test_symmetric_zeros_and_leading_dims():
     qweight, scales, z, w64 = _layer(1024, 512, 128, torch.bfloat16, "sym")
     x = torch.randn(2, 3, 50, 1024, device="cuda").to(torch.bfloat16)
@@ -178,19 +190,22 @@ def test_matches_the_triton_kernel():
         assert (a - b).abs().max().item() <= TOL[torch.bfloat16] * b.abs().max().item()
 
 
-@pytest.mark.parametrize("unpack", ["ptx", "plain"])
+@pytest.mark.parametrize("variant", ["ptx", "plain", "halves"])
 @pytest.mark.parametrize("m", [1, 64, 1000])
-def test_repeat_runs_are_bitwise_identical(m, unpack):
+def test_repeat_runs_are_bitwise_identical(m, variant):
     """No atomics (split-K partials are summed by torch): a race (a slot reused before its wgmma finished, A
     registers rewritten while a wgmma reads them) shows as run-to-run differences. 200 calls, each compared bit
     for bit with the first. 14336 x 4096 has 32 column tiles, so M = 1 and 64 also take the split-K path."""
     qweight, scales, z, _ = _layer(14336, 4096, 128, torch.bfloat16)  # 32 column tiles: M <= 64 splits K
     x = torch.randn(m, 14336, device="cuda").to(torch.bfloat16)
-    first = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, unpack=unpack)
+    if variant == "halves" and m > gw.ACC_HALVES_MAX_M:
+        pytest.skip("acc_halves takes at most 64 rows")
+    kw = dict(unpack="ptx", acc_halves=True) if variant == "halves" else dict(unpack=variant)
+    first = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, **kw)
     bad = 0
     for _ in range(200):
-        bad += int(not torch.equal(gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, unpack=unpack), first))
-    REPORT.append(dict(case=f"repeat M={m} {unpack}", mismatching_calls=bad))
+        bad += int(not torch.equal(gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, **kw), first))
+    REPORT.append(dict(case=f"repeat M={m} {variant}", mismatching_calls=bad))
     assert bad == 0, f"{bad}/200 calls differ from the first"
 
 
