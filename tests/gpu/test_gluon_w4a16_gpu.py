@@ -45,12 +45,12 @@ def _layer(k, n, gs, dtype, zeros="asym"):
     return _LAYERS[key]
 
 
-def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto", acc_halves=False):
+def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto", acc_parts=1):
     qweight, scales, z, w64 = _layer(k, n, gs, dtype, zeros)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     assert gw.supported(x, qweight, gs)
-    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by, acc_halves=acc_halves)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by, acc_parts=acc_parts)
     torch.cuda.synchronize()
     ref = x.double() @ w64
     assert y.shape == (m, n) and y.dtype == dtype
@@ -144,16 +144,17 @@ def test_scales_by_tma_is_bitwise_the_loads(kng, m):
     assert torch.equal(y, gw.gluon_w4a16_matmul(x, qweight, scales, z, eff, scales_by="load"))
 
 
+@pytest.mark.parametrize("parts", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 16, 17, 32, 64])
 @pytest.mark.parametrize("kng", [(4096, 4096, 128), (4096, 14336, 128), (512, 1000, 128), (384, 200, -1),
                                  (14336, 4096, 256)], ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
-def test_acc_halves_matches_float64(kng, m, dtype):
-    """acc_halves (each K tile's halves on their own accumulator): every row tile it takes (16, 32, 64), N not a
+def test_acc_parts_match_float64(kng, m, dtype, parts):
+    """acc_parts (each K tile's parts on their own accumulators): every row tile it takes (16, 32, 64), N not a
     multiple of 128, an odd K-tile count (384), split-K (small M on 32-column-tile layers), one group."""
     k, n, gs = kng
     eff = k if gs == -1 else gs
-    _check(f"{dtype} g{gs} M={m} K={k} N={n} halves", m, k, n, eff, dtype, acc_halves=True)
+    _check(f"{dtype} g{gs} M={m} K={k} N={n} parts{parts}", m, k, n, eff, dtype, acc_parts=parts)
 
 
 def test_symmetric_zeros_and_leading_dims():
@@ -190,7 +191,7 @@ def test_matches_the_triton_kernel():
         assert (a - b).abs().max().item() <= TOL[torch.bfloat16] * b.abs().max().item()
 
 
-@pytest.mark.parametrize("variant", ["ptx", "plain", "halves"])
+@pytest.mark.parametrize("variant", ["ptx", "plain", "parts2", "parts4"])
 @pytest.mark.parametrize("m", [1, 64, 1000])
 def test_repeat_runs_are_bitwise_identical(m, variant):
     """No atomics (split-K partials are summed by torch): a race (a slot reused before its wgmma finished, A
@@ -198,9 +199,9 @@ def test_repeat_runs_are_bitwise_identical(m, variant):
     for bit with the first. 14336 x 4096 has 32 column tiles, so M = 1 and 64 also take the split-K path."""
     qweight, scales, z, _ = _layer(14336, 4096, 128, torch.bfloat16)  # 32 column tiles: M <= 64 splits K
     x = torch.randn(m, 14336, device="cuda").to(torch.bfloat16)
-    if variant == "halves" and m > gw.ACC_HALVES_MAX_M:
-        pytest.skip("acc_halves takes at most 64 rows")
-    kw = dict(unpack="ptx", acc_halves=True) if variant == "halves" else dict(unpack=variant)
+    if variant.startswith("parts") and m > gw.ACC_PARTS_MAX_M:
+        pytest.skip("acc_parts > 1 takes at most 64 rows")
+    kw = dict(acc_parts=int(variant[-1])) if variant.startswith("parts") else dict(unpack=variant)
     first = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, **kw)
     bad = 0
     for _ in range(200):
