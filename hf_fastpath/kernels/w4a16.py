@@ -70,9 +70,10 @@ DECODE_MAX_M = 192  # forward: above this many rows dequantize + cuBLAS (H200: f
 # from 384 on every Llama-3 shape; benchmarks/results/archive/w4a16_prefill_crossover_s4.json)
 # Hopper: from 24 to 512 rows the Gluon kernel (`gluon_w4a16`: TMA producer warp, register-A wgmma overlapping the
 # unpack) runs instead. H200, Llama-3 shapes, scales by TMA, 16/32-row tiles (benchmarks/results/gluon_w4a16.json,
-# session 13): 1.1-1.4x the fused kernel at 32-64 rows (its 32-row tile beat the fused kernel's 24-row times on all
-# four shapes), 1.05-1.4x the fused kernel or dequantize + cuBLAS at 128-512; at 16 rows it won on two shapes of
-# four, at 1 row on none (0.64-0.90x); from 768 it ties dequantize + cuBLAS (0.89-1.10x, gluon_w4a16_crossover.json).
+# session 13): 1.09-1.56x the fused kernel at 32-64 rows (its 32-row tile beat the fused kernel's 24-row times on
+# all four shapes), 1.00-1.47x the better of the fused kernel and dequantize + cuBLAS at 128-512; at 16 rows it won
+# on two shapes of four, at 1 row on none (0.64-0.90x); from 768 it ties dequantize + cuBLAS (0.89-1.10x,
+# gluon_w4a16_crossover.json).
 GLUON_MIN_M, GLUON_MAX_M = 24, 512
 # ...inside CUDA graphs only (torch.compile mode="reduce-overhead", static-cache generate), unless GLUON_EAGER: its
 # launch costs more host time than the fused kernel's (57 vs 33 µs a call on one H200 host, 120-140 vs 35-50 on
