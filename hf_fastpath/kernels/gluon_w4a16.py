@@ -199,32 +199,44 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         return gl.convert_layout(w, a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _planes_ptx(words, s, z, dtype: gl.constexpr, L3: gl.constexpr):
-        """The PTX path of _dequant: ~2 instructions a weight (16-bit pairs) instead of ~6 (fp32, one at a time).
-        pack=2 hands the asm two consecutive registers: words (n, i), (n, i + 1), one A register's pair."""
-        dt = s.dtype  # the activation dtype as a tensor's dtype (the constexpr argument does not pass as a type)
-        if dtype == gl.bfloat16:
-            p0, p1, p2, p3, p4, p5, p6, p7 = gl.inline_asm_elementwise(
-                _UNPACK_BF16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8, is_pure=True, pack=2)
+    def _unpack_ptx(words, s):
+        """[64, 16] packed words -> their 8 nibble planes p0..p7 ([64, 16] each), as bias + q pairs in s's dtype (the
+        activation dtype, taken from a tensor: a dtype argument would arrive as a constexpr). pack=2 hands the asm
+        two consecutive registers: words (n, i), (n, i + 1), one A register's pair."""
+        dt = s.dtype
+        if dt == gl.bfloat16:
+            return gl.inline_asm_elementwise(_UNPACK_BF16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8,
+                                             is_pure=True, pack=2)
         else:
-            p0, p1, p2, p3, p4, p5, p6, p7 = gl.inline_asm_elementwise(
-                _UNPACK_F16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8, is_pure=True, pack=2)
-        # stack the planes on a new axis 1 (j = 4 a + 2 b + c): [64, 16] x 8 -> [64, 8, 16], register renaming
-        q = gl.join(gl.join(gl.join(p0, p1), gl.join(p2, p3)), gl.join(gl.join(p4, p5), gl.join(p6, p7)))
-        q = gl.reshape(gl.permute(q, (0, 4, 3, 2, 1)), [64, 8, 16])
-        q = gl.convert_layout(q, L3, assert_trivial=True)
-        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise(_UNPACK_F16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8,
+                                             is_pure=True, pack=2)
+
+    @gluon.jit
+    def _scale_planes(q, s, z):
+        """Planes q (bias + q, from `_unpack_ptx`) -> s * (q - z) by kernels/w4a16.py's PTX_PLANE (q - z exact, one
+        rounding); s, z broadcast against q."""
+        dt = s.dtype  # (as a tensor's dtype: a dtype argument would arrive as a constexpr)
+        if dt == gl.bfloat16:
             nzb = (-(z.to(gl.float32) + 128.0)).to(dt)
         else:
             nzb = (-(z.to(gl.float32) + 1024.0)).to(dt)
         nzb = gl.broadcast(nzb, q)[0]
         s = gl.broadcast(s, q)[0]
-        if dtype == gl.bfloat16:
+        if dt == gl.bfloat16:
             return gl.inline_asm_elementwise(_PLANE_BF16, _PLANE_CONSTRAINTS, [q, nzb, s], dtype=dt,
                                              is_pure=True, pack=2)
         else:
             return gl.inline_asm_elementwise(_PLANE_F16, _PLANE_CONSTRAINTS, [q, nzb, s], dtype=dt,
                                              is_pure=True, pack=2)
+
+    @gluon.jit
+    def _planes_ptx(words, s, z, dtype: gl.constexpr, L3: gl.constexpr):
+        """The PTX path of _dequant: ~2 instructions a weight (16-bit pairs) instead of ~6 (fp32, one at a time)."""
+        p0, p1, p2, p3, p4, p5, p6, p7 = _unpack_ptx(words, s)
+        # stack the planes on a new axis 1 (j = 4 a + 2 b + c): [64, 16] x 8 -> [64, 8, 16], register renaming
+        q = gl.join(gl.join(gl.join(p0, p1), gl.join(p2, p3)), gl.join(gl.join(p4, p5), gl.join(p6, p7)))
+        q = gl.reshape(gl.permute(q, (0, 4, 3, 2, 1)), [64, 8, 16])
+        return _scale_planes(gl.convert_layout(q, L3, assert_trivial=True), s, z)
 
     @gluon.jit
     def _step(i, acc, a_old, s, z, w_smem, x_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, rows, N, kt0, n_k,
@@ -255,35 +267,16 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
 
     @gluon.jit
     def _plane_part(q, s, z, LP: gl.constexpr, a_layout: gl.constexpr):
-        """Nibble planes q [64, P, 16] -> the [64, 16 P] A operand of those inputs, s * (q - z) by
-        kernels/w4a16.py's PTX_PLANE, as `_planes_ptx` does for all 8 planes. LP: q's layout."""
-        dt = s.dtype  # (as a tensor's dtype: a dtype argument would arrive as a constexpr)
-        q = gl.convert_layout(q, LP, assert_trivial=True)
-        if dt == gl.bfloat16:
-            nzb = (-(z.to(gl.float32) + 128.0)).to(dt)
-        else:
-            nzb = (-(z.to(gl.float32) + 1024.0)).to(dt)
-        nzb = gl.broadcast(nzb, q)[0]
-        s = gl.broadcast(s, q)[0]
-        if dt == gl.bfloat16:
-            w = gl.inline_asm_elementwise(_PLANE_BF16, _PLANE_CONSTRAINTS, [q, nzb, s], dtype=dt, is_pure=True,
-                                          pack=2)
-        else:
-            w = gl.inline_asm_elementwise(_PLANE_F16, _PLANE_CONSTRAINTS, [q, nzb, s], dtype=dt, is_pure=True,
-                                          pack=2)
+        """Nibble planes q [64, P, 16] -> the [64, 16 P] A operand of those inputs (`_scale_planes`). LP: q's
+        layout."""
+        w = _scale_planes(gl.convert_layout(q, LP, assert_trivial=True), s, z)
         return gl.convert_layout(gl.reshape(w, [64, 16 * q.type.shape[1]]), a_layout, assert_trivial=True)
 
     @gluon.jit
     def _dequant_parts(words, s, z, PARTS: gl.constexpr, LP: gl.constexpr, a_layout: gl.constexpr):
         """`_dequant` (PTX path, one group per tile: s, z [64, 1, 1]) as a tuple of PARTS (2 or 4) A operands
         [64, 128 / PARTS]: part c holds the tile's nibble planes 8 c / PARTS ..., i.e. its inputs 128 c / PARTS ..."""
-        dt = s.dtype
-        if dt == gl.bfloat16:
-            p0, p1, p2, p3, p4, p5, p6, p7 = gl.inline_asm_elementwise(
-                _UNPACK_BF16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8, is_pure=True, pack=2)
-        else:
-            p0, p1, p2, p3, p4, p5, p6, p7 = gl.inline_asm_elementwise(
-                _UNPACK_F16, _UNPACK_CONSTRAINTS, [words], dtype=(dt, ) * 8, is_pure=True, pack=2)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _unpack_ptx(words, s)
         if PARTS == 2:  # join(join(a, b), join(c, d)) is [64, 16, 2, 2], plane 2 x + y of the four at [:, :, y, x]
             lo = gl.reshape(gl.permute(gl.join(gl.join(p0, p1), gl.join(p2, p3)), (0, 3, 2, 1)), [64, 4, 16])
             hi = gl.reshape(gl.permute(gl.join(gl.join(p4, p5), gl.join(p6, p7)), (0, 3, 2, 1)), [64, 4, 16])
