@@ -233,7 +233,7 @@ def _pretend_hopper(monkeypatch, kernel):
 def test_gluon_matmul_runs_the_gluon_kernel_where_supported(monkeypatch):
     calls = []
 
-    def kernel(x2, qweight, scales, zeros, group_size):
+    def kernel(x2, qweight, scales, zeros, group_size, segments=None):
         calls.append((tuple(x2.shape), group_size))
         return x2.new_zeros(x2.shape[0], qweight.shape[1])
 
@@ -252,7 +252,7 @@ def test_gluon_w4a16_that_does_not_build_warns_once_and_is_not_tried_again(monke
 
     calls = []
 
-    def does_not_build(*args):
+    def does_not_build(*args, **kwargs):
         calls.append(1)
         raise CompilationError(None, None, "'hopper' has no attribute 'warpgroup_mma'")
 
@@ -268,3 +268,33 @@ def test_gluon_w4a16_that_does_not_build_warns_once_and_is_not_tried_again(monke
     assert len(calls) == 1 and "warpgroup_mma" in w4a16.GLUON_BUILD_ERRORS[0]
     warnings = [r.getMessage() for r in caplog.records if "Gluon W4A16" in r.getMessage()]
     assert len(warnings) == 1 and "warpgroup_mma" in warnings[0]
+
+
+def test_fused_projections_ask_gluon_with_their_segments(monkeypatch):
+    """w4a16_matmul_concat_rows over back-to-back parts: in Gluon's row range (and where it pays off) it hands the
+    kernel one span over all parts plus where each part starts; outside, or with a part that is not whole
+    128-column tiles, the Triton kernel's SEGMENTED mode runs."""
+    from hf_fastpath.kernels import w4a16
+
+    asked = []
+
+    def kernel(x2, qweight, scales, zeros, group_size, segments=None):
+        asked.append((qweight.shape, scales.shape, qweight.data_ptr(), segments))
+        return x2.new_zeros(x2.shape[0], qweight.shape[1])
+
+    _pretend_hopper(monkeypatch, kernel)
+    monkeypatch.setattr(w4a16, "_gluon_pays_off", lambda x2: True)
+    k, ns = 256, (512, 256, 256)  # (multiples of the SEGMENTED mode's 256 columns)
+    q, s, z = (torch.cat([t.flatten() for t in ts]) for ts in zip(*(_weights(k, n, 128) for n in ns)))
+    parts, off_q, off_s = [], 0, 0
+    for n in ns:  # views of one allocation each, as fuse_siblings leaves them
+        parts.append((q[off_q:off_q + k // 8 * n].view(k // 8, n), s[off_s:off_s + k // 128 * n].view(k // 128, n),
+                      z[off_s:off_s + k // 128 * n].view(k // 128, n)))
+        off_q, off_s = off_q + k // 8 * n, off_s + k // 128 * n
+    assert w4a16.w4a16_back_to_back(parts)
+    x = torch.randn(w4a16.GLUON_MIN_M, k, dtype=torch.bfloat16)
+    y = w4a16.w4a16_matmul_concat_rows(x, parts, 128)
+    assert y.shape == (w4a16.GLUON_MIN_M, 1024)
+    assert asked == [((k // 8, 1024), (k // 128, 1024), parts[0][0].data_ptr(), (512, 768))]
+    w4a16.w4a16_matmul_concat_rows(x[:w4a16.GLUON_MIN_M - 1], parts, 128)  # below the range: Triton's kernel
+    assert len(asked) == 1

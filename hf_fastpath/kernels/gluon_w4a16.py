@@ -135,13 +135,15 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=1)
 
     @gluon.jit
-    def _producer(x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, n0, N, kt0,
-                  n_steps, group_size, STAGES: gl.constexpr, SCALES_TMA: gl.constexpr):
-        """TMA: x[m0:+BLOCK_M, 128 t:+128] and the words of weight rows n0:+128 of K tile t = kt0 + i into slot
-        i % STAGES (SCALES_TMA: also that tile's scales and zeros of those rows, 128 values of the flat [G * N]
-        tensors from group row t * 128 // group_size; past N they run into the next row or off the end (zeros),
-        for outputs that are never stored). A phantom tile (odd tile count: only the last split has one) lies
-        wholly outside every tensor: TMA fills it with zeros (x = 0 makes its product exactly 0)."""
+    def _producer(x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, w_row0, s_row0,
+                  N, kt0, n_steps, group_size, STAGES: gl.constexpr, SCALES_TMA: gl.constexpr):
+        """TMA: x[m0:+BLOCK_M, 128 t:+128] and the words of 128 weight rows of K tile t = kt0 + i (rows
+        w_row0 + t N... of the [K / 128 * N, 16] word view) into slot i % STAGES (SCALES_TMA: also that tile's
+        scales and zeros of those rows, 128 values of the flat [G * N] tensors from s_row0 + (t * 128 //
+        group_size) N; past N they run into the next row or off the end (zeros), for outputs that are never
+        stored). Unsegmented w_row0 = s_row0 = n0; a segment (`_segment`) passes its own base, and its own width
+        as N. A phantom tile (odd tile count: only the last split has one) lies past x: TMA fills it with zeros
+        (x = 0 makes its product exactly 0, the weights it reads being finite)."""
         for i in range(n_steps):
             slot = i % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
@@ -152,9 +154,9 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
             else:
                 mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             _tma_load(x_desc, [m0, (kt0 + i) * 128], ready.index(slot), x_smem.index(slot))
-            _tma_load(w_desc, [(kt0 + i) * N + n0, 0], ready.index(slot), w_smem.index(slot))
+            _tma_load(w_desc, [(kt0 + i) * N + w_row0, 0], ready.index(slot), w_smem.index(slot))
             if SCALES_TMA:
-                row = ((kt0 + i) * 128) // group_size * N + n0
+                row = ((kt0 + i) * 128) // group_size * N + s_row0
                 _tma_load(s_desc, [row], ready.index(slot), s_smem.index(slot))
                 _tma_load(z_desc, [row], ready.index(slot), z_smem.index(slot))
 
@@ -418,9 +420,23 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         _store_tile(acc, y_ptr, M, N, m0, n0 + ROW0, acc_layout)
 
     @gluon.jit
-    def _w4a16_kernel(x_desc, w_desc, s_desc, z_desc, s_ptr, z_ptr, y_ptr, M, N, k_tiles, chunk, group_size,
-                      STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr,
-                      GROUP_M: gl.constexpr, SCALES_TMA: gl.constexpr, ACC_PARTS: gl.constexpr):
+    def _segment(n0, N, k_tiles, group_size, seg1, seg2):
+        """Up to three weights stored back to back, each packed on its own (`w4a16_matmul_concat`'s parts), as one
+        [K, N] layer: the part that holds output column n0 (columns [0, seg1), [seg1, seg2), [seg2, N); each part a
+        whole number of 128-column tiles) -> (its first word row + n0's offset in it, the same in the flat
+        scales, its width). A part of width Nj starting at column c0 is k_tiles * Nj word rows from k_tiles * c0,
+        and G * Nj scales from G * c0."""
+        in1 = (n0 >= seg1).to(gl.int32)
+        in2 = (n0 >= seg2).to(gl.int32)
+        start = in1 * seg1 + in2 * (seg2 - seg1)
+        width = seg1 + in1 * (seg2 - 2 * seg1) + in2 * (N - 2 * seg2 + seg1)
+        return k_tiles * start + (n0 - start), (k_tiles * 128 // group_size) * start + (n0 - start), width
+
+    @gluon.jit
+    def _w4a16_kernel(x_desc, w_desc, s_desc, z_desc, s_ptr, z_ptr, y_ptr, M, N, k_tiles, chunk, group_size, seg1,
+                      seg2, STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr,
+                      GROUP_M: gl.constexpr, SCALES_TMA: gl.constexpr, ACC_PARTS: gl.constexpr,
+                      SEGMENTED: gl.constexpr):
         """One CTA: output tile (m0, n0) over K tiles [kt0, kt0 + n_k) of its split (split-K: `chunk` tiles a
         split, even when there are several, so only the last split can have a phantom tile; each split writes its
         own fp32 partial y_ptr[split], which the host sums)."""
@@ -457,14 +473,18 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
+        if SEGMENTED:  # (scales by TMA: the host checks)
+            w_row0, s_row0, n_part = _segment(n0, N, k_tiles, group_size, seg1, seg2)
+        else:
+            w_row0, s_row0, n_part = n0, n0, N
         if ACC_PARTS > 1:  # (PTX unpack, scales by TMA, one group per tile: the host checks)
             gl.warp_specialize([
                 (_consumer_parts, (x_smem, w_smem, s_smem, z_smem, ready, empty, y_ptr, M, N, n_steps, m0, n0, 0,
                                    STAGES, ACC_PARTS)),
                 (_consumer_parts, (x_smem, w_smem, s_smem, z_smem, ready, empty, y_ptr, M, N, n_steps, m0, n0, 1,
                                    STAGES, ACC_PARTS)),
-                (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, n0,
-                             N, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
+                (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0,
+                             w_row0, s_row0, n_part, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
             ], [4, 1], _REGS)
         else:
             gl.warp_specialize([
@@ -472,8 +492,8 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
                              n_steps, group_size, m0, n0, 0, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
                 (_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k,
                              n_steps, group_size, m0, n0, 1, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
-                (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, n0,
-                             N, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
+                (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0,
+                             w_row0, s_row0, n_part, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
             ], [4, 1], _REGS)
 
     _LAUNCH = LaunchCache(_w4a16_kernel)
@@ -607,11 +627,15 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                             group_size: int, *, unpack: str = "ptx", splits: int | None = None,
-                            scales_by: str = "auto", acc_parts: int = 1) -> torch.Tensor:
+                            scales_by: str = "auto", acc_parts: int = 1,
+                            segments: tuple[int, int] | None = None) -> torch.Tensor:
     """`gluon_w4a16_matmul` without its argument checks, for callers that checked the layer once and asked
     `supported` (`w4a16_matmul_rows`): x2 [M, K] with unit column stride on x2's current device, contiguous
     weights in x2's dtype, group_size the effective one. Returns [M, N]. Its host time is what an eager prefill
-    pays per linear: the launch skips Triton's argument binding (`LaunchCache`, ~50 µs on the H200's host)."""
+    pays per linear: the launch skips Triton's argument binding (`LaunchCache`, ~50 µs on the H200's host).
+    segments=(seg1, seg2): qweight / scales / zeros span up to three weights packed each on its own and stored back
+    to back (`w4a16_matmul_concat`'s parts, columns [0, seg1), [seg1, seg2), [seg2, N); seg2 = N for two), each
+    a multiple of 128 columns wide; scales by TMA only. Written in session 13, NOT yet run on a GPU."""
     m, k = x2.shape
     n = qweight.shape[1]
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
@@ -638,11 +662,16 @@ def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: tor
     # several splits: fp32 partials [splits, M, N] summed here (deterministic: no atomics)
     out = y if n_splits == 1 else torch.empty((n_splits, m, n), device=x2.device, dtype=torch.float32)
     plane_groups, ptx, tma_scales = group_size in PLANE_GROUP_SIZES, unpack == "ptx", s_desc is not None
+    seg1, seg2 = segments if segments is not None else (n, n)
+    if segments is not None and (not tma_scales or seg1 % BLOCK_N or seg2 % BLOCK_N or n % BLOCK_N
+                                 or not 0 < seg1 <= seg2 <= n):
+        raise ValueError(f"gluon_w4a16_matmul_rows: segments {segments} over N = {n} need parts that are whole "
+                         f"{BLOCK_N}-column tiles and scales by TMA")
     _LAUNCH.launch((tiles * n_splits, ), (x_desc, w_desc, s_desc, z_desc, scales, zeros, out, m, n, k_tiles, chunk,
-                                         group_size),
+                                         group_size, seg1, seg2),
                    dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=GROUP_M, SCALES_TMA=tma_scales,
-                        ACC_PARTS=acc_parts, num_warps=4, maxnreg=MAXNREG),
-                   (stages, plane_groups, ptx, tma_scales, acc_parts))
+                        ACC_PARTS=acc_parts, SEGMENTED=segments is not None, num_warps=4, maxnreg=MAXNREG),
+                   (stages, plane_groups, ptx, tma_scales, acc_parts, segments is not None))
     if n_splits > 1:
         torch.sum(out, dim=0, out=y)  # fp32 sums rounded once into y
     return y

@@ -919,17 +919,19 @@ def _gluon_pays_off(x2) -> bool:
     return GLUON_EAGER or (x2.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _gluon_matmul(x2, qweight, scales, zeros, group_size):
+def _gluon_matmul(x2, qweight, scales, zeros, group_size, segments=None):
     """x2 @ W by the Gluon kernel, or None where it does not run (not Hopper, no Gluon in this Triton, a layer it
-    does not take, or it failed to build here: one warning, then the Triton paths from then on)."""
+    does not take, or it failed to build here: one warning, then the Triton paths from then on). segments: as for
+    `gluon_w4a16_matmul_rows` (needs scales by TMA)."""
     if GLUON_BUILD_ERRORS or not x2.is_cuda or interpreting():
         return None
     from . import gluon_w4a16  # imports this module (the shared PTX): only here, not at import time
 
-    if not gluon_w4a16.supported(x2, qweight, group_size):
+    if not gluon_w4a16.supported(x2, qweight, group_size) or (
+            segments is not None and not gluon_w4a16.scales_by_tma(qweight.shape[1], group_size)):
         return None
     try:
-        return gluon_w4a16.gluon_w4a16_matmul_rows(x2, qweight, scales, zeros, group_size)
+        return gluon_w4a16.gluon_w4a16_matmul_rows(x2, qweight, scales, zeros, group_size, segments=segments)
     except CompilationError as exc:
         gluon_build_failed(GLUON_BUILD_ERRORS, exc, __name__, "gluon-w4a16-build", "Gluon W4A16 kernel",
                            "the Triton W4A16 kernels")
@@ -1001,10 +1003,20 @@ def w4a16_matmul_concat_rows(x2: torch.Tensor, parts, group_size: int, *, cache_
     CONCAT_MAX_M) and unit column stride, parts `w4a16_back_to_back` in x2's dtype and device, group_size the
     effective one."""
     ns = [p[0].shape[1] for p in parts]
+    segments = (ns[0], ns[0] + ns[1] if len(ns) == 3 else sum(ns))
+    if GLUON_MIN_M <= x2.shape[0] <= GLUON_MAX_M and _gluon_pays_off(x2) and not any(n % 128 for n in ns):
+        y = _gluon_matmul(x2, *_spanning(parts, sum(ns)), group_size, segments=segments)
+        if y is not None:
+            return y
     out = torch.empty((x2.shape[0], sum(ns)), device=x2.device, dtype=x2.dtype)
-    segments = (ns[0], ns[0] + ns[1] if len(ns) == 3 else out.shape[1])
     _decode_matmul(x2, *parts[0], group_size, out, cache_workspace=cache_workspace, segments=segments)
     return out
+
+
+def _spanning(parts, n: int):
+    """(qweight, scales, zeros) views over back-to-back parts as if one layer of n columns: the same memory, the
+    parts' flat data one after the other (each still packed on its own: `segments` tells the kernel where)."""
+    return tuple(t.as_strided((t.shape[0], n), (n, 1)) for t in parts[0])
 
 
 @on_input_device

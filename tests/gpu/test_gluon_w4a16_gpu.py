@@ -237,3 +237,66 @@ def test_w4a16_matmul_dispatches_to_gluon_in_its_row_range(m):
         assert (out.double() - ref).abs().max().item() <= TOL[torch.bfloat16] * ref.abs().max().item()
     assert torch.equal(y, gluon) == (w4a16.GLUON_MIN_M <= m <= w4a16.GLUON_MAX_M)
     assert not torch.equal(eager, gluon)
+
+
+def _back_to_back(k, ns, gs, dtype=torch.bfloat16):
+    """Parts packed each on its own and stored back to back in one allocation per tensor kind (as
+    `fuse_siblings` leaves q/k/v or gate/up), with the float64 reference of [W_0 | W_1 | ...]."""
+    layers = []
+    for j, n in enumerate(ns):  # each part its own random weights (equal parts would hide a part read twice)
+        g = torch.Generator(device="cuda").manual_seed(1000 + j)
+        codes = torch.randint(0, 16, (k, n), device="cuda", generator=g)
+        sc = (torch.rand(k // gs, n, device="cuda", generator=g) * 0.05 + 0.005).to(dtype)
+        zz = torch.randint(0, 16, (k // gs, n), device="cuda", generator=g).to(dtype)
+        w64 = sc.double().repeat_interleave(gs, 0) * (codes.double() - zz.double().repeat_interleave(gs, 0))
+        layers.append((w4a16_pack(codes), sc, zz, w64))
+    q, s, z = (torch.cat([t.flatten() for t in ts]) for ts in zip(*(layer[:3] for layer in layers)))
+    parts, off_q, off_s = [], 0, 0
+    for n in ns:
+        g = k // gs
+        parts.append((q[off_q:off_q + k // 8 * n].view(k // 8, n), s[off_s:off_s + g * n].view(g, n),
+                      z[off_s:off_s + g * n].view(g, n)))
+        off_q, off_s = off_q + k // 8 * n, off_s + g * n
+    return parts, torch.cat([layer[3] for layer in layers], 1)
+
+
+@pytest.mark.parametrize("acc_parts", [1, 4])
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("ns", [(4096, 1024, 1024), (1024, 512), (14336, 14336)], ids=lambda s: "+".join(map(str, s)))
+def test_segments_match_float64(ns, m, acc_parts):
+    """Up to three weights packed on their own and stored back to back, as one launch (`segments`): q/k/v and
+    gate/up shapes, split-K (small M), 128-row tiles (300), with and without split accumulators."""
+    from hf_fastpath.kernels import w4a16
+
+    if acc_parts > 1 and m > gw.ACC_PARTS_MAX_M:
+        pytest.skip("acc_parts > 1 takes at most 64 rows")
+    k = 4096
+    parts, w64 = _back_to_back(k, ns, 128)
+    n = sum(ns)
+    segments = (ns[0], ns[0] + ns[1] if len(ns) == 3 else n)
+    x = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)).to(torch.bfloat16)
+    y = gw.gluon_w4a16_matmul_rows(x, *w4a16._spanning(parts, n), 128, acc_parts=acc_parts, segments=segments)
+    torch.cuda.synchronize()
+    ref = x.double() @ w64
+    err, scale = (y.double() - ref).abs().max().item(), ref.abs().max().item()
+    REPORT.append(dict(case=f"segments {ns} M={m} parts{acc_parts}", max_err=err, scale=scale, rel=err / scale))
+    assert y.shape == (m, n) and err <= TOL[torch.bfloat16] * scale
+
+
+def test_fused_projections_run_gluon_segments_inside_cuda_graphs(monkeypatch):
+    """w4a16_matmul_concat_rows captured in a CUDA graph with Gluon's row range lowered to cover it: bitwise the
+    direct segmented call."""
+    from hf_fastpath.kernels import w4a16
+
+    parts, w64 = _back_to_back(4096, (4096, 1024, 1024), 128)
+    x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
+    direct = gw.gluon_w4a16_matmul_rows(x, *w4a16._spanning(parts, 6144), 128, segments=(4096, 5120))
+    monkeypatch.setattr(w4a16, "GLUON_MIN_M", 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16.w4a16_matmul_concat_rows(x, parts, 128)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, direct)
+    ref = x.double() @ w64
+    assert (y.double() - ref).abs().max().item() <= TOL[torch.bfloat16] * ref.abs().max().item()
