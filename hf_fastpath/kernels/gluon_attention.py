@@ -40,7 +40,7 @@ import torch
 import triton
 
 from .common import nvmma_layout
-from .device import on_input_device
+from .device import compute_major, on_input_device
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon
@@ -484,7 +484,7 @@ if HAS_GLUON:
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
     """Whether `gluon_attention_forward` takes these inputs on this machine (else the caller falls back)."""
     return (HAS_GLUON and q.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and compute_major(q.device) == 9
             and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] in HEAD_DIMS and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
             and k.shape == v.shape and q.shape[0] == k.shape[0] and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
@@ -514,7 +514,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     for name, t in named:
         if t.dim() != 4:
             raise ValueError(f"{name} must be [B, S, H, D]; got shape {tuple(t.shape)}")
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not (q.is_cuda and compute_major(q.device) == 9):
         raise ValueError(f"{caller} runs on Hopper (sm_90) GPUs only; elsewhere use {fallback}")
     if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for _, t in named):
         raise ValueError(f"{', '.join(n for n, _ in named)} must all be bfloat16 or all float16; got "
