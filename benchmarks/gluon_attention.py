@@ -6,6 +6,7 @@ FLOPs = 4*B*H*S^2*D, halved when causal.
     python benchmarks/gluon_attention.py            # GPU: writes benchmarks/results/gluon_attention.json
     python benchmarks/gluon_attention.py --variants --json F   # also every opt-in variant (`variants()`)
     python benchmarks/gluon_attention.py --backward --json F   # also the Gluon backward vs Triton's and cuDNN's
+    python benchmarks/gluon_attention.py --backward --skip-forward --json F   # the backward rows only
     python benchmarks/gluon_attention.py --plot F   # no GPU needed: F (JSON) -> PNG beside it
 """
 
@@ -144,16 +145,19 @@ def bench_backward(head_dims, seqs):
         fl = 2.5 * flops(b, h, s, d, causal)
         row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal,
                    gluon=_timed(lambda: gluon_attention_backward(do, q, k, v, out, lse, causal=causal), fl),
+                   gluon_wg2=_timed(lambda: gluon_attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                                     warpgroups=2), fl),
                    triton=_timed(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal), fl))
         both = _timed(lambda: torch.autograd.grad(cudnn(qg, kg, vg, causal), (qg, kg, vg), do), fl)["ms"]
         fwd = _timed(lambda: cudnn(q, k, v, causal), fl)["ms"]
         row["sdpa_cudnn"] = dict(ms=both - fwd, tflops=fl / (both - fwd) * 1e-9, fwd_bwd_ms=both)
-        for name in ("gluon", "triton"):
+        for name in ("gluon", "gluon_wg2", "triton"):
             if "ms" in row[name]:
                 row[f"{name}_vs_cudnn"] = row["sdpa_cudnn"]["ms"] / row[name]["ms"]
         rows.append(row)
         _log(f"bwd hd{d} S={s} {'causal' if causal else 'full'} "
-             + "  ".join(f"{n} {row[n].get('tflops', float('nan')):6.1f}" for n in ("gluon", "triton", "sdpa_cudnn"))
+             + "  ".join(f"{n} {row[n].get('tflops', float('nan')):6.1f}"
+                         for n in ("gluon", "gluon_wg2", "triton", "sdpa_cudnn"))
              + f"  gluon x cuDNN {row.get('gluon_vs_cudnn', float('nan')):.2f}")
     return rows
 
@@ -215,6 +219,7 @@ def main():
                     help="also check and time every opt-in variant of gluon_attention.variants()")
     ap.add_argument("--backward", action="store_true",
                     help="time the Gluon backward beside our Triton backward and cuDNN's (rows in 'backward')")
+    ap.add_argument("--skip-forward", action="store_true", help="with --backward: no forward rows")
     args = ap.parse_args()
     if args.plot and not torch.cuda.is_available():
         plot(args.json, args.plot)
@@ -225,8 +230,8 @@ def main():
 
     t0 = time.time()
     impls = implementations()
-    errors = check(impls, args.variants)
-    rows = bench(impls, args.head_dims, args.seqs, args.variants)
+    errors = {} if args.skip_forward else check(impls, args.variants)
+    rows = [] if args.skip_forward else bench(impls, args.head_dims, args.seqs, args.variants)
     extra = dict(backward=bench_backward(args.head_dims, args.seqs)) if args.backward else {}
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", tokens_per_batch=TOKENS,

@@ -21,10 +21,10 @@ from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
 from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
 
 
-def build(head_dim, causal, dtype=torch.bfloat16):
+def build(head_dim, causal, dtype=torch.bfloat16, warpgroups=gb.WARPGROUPS):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, constexprs = gb.kernel_args(head_dim, causal)
+    fn, constexprs = gb.kernel_args(head_dim, causal, warpgroups)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for p in fn.params:
@@ -33,7 +33,7 @@ def build(head_dim, causal, dtype=torch.bfloat16):
         elif p.name in ("q_desc", "do_desc"):
             sig[p.name] = descriptor_type(dtype, [gb.BLOCK_MS[head_dim], head_dim])
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, [gb.BLOCK_N, head_dim])
+            sig[p.name] = descriptor_type(dtype, [gb.block_n(warpgroups), head_dim])
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
@@ -42,26 +42,29 @@ def build(head_dim, causal, dtype=torch.bfloat16):
             sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=gb.NUM_WARPS))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4 * warpgroups))
 
 
 def cases():
+    """(name, head dim, causal, dtype, warpgroups): every head dim and mask in bf16, causal fp16, and the 2-warpgroup
+    CTA (128 keys) in bf16."""
     for head_dim in gb.HEAD_DIMS:
         for causal in (False, True):
-            yield f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16
-        yield f"bwd hd{head_dim} causal fp16", head_dim, True, torch.float16
+            yield f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, 1
+            yield f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 wg2", head_dim, causal, torch.bfloat16, 2
+        yield f"bwd hd{head_dim} causal fp16", head_dim, True, torch.float16, 1
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype in cases():
+    for name, head_dim, causal, dtype, warpgroups in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype)
+            kernel = build(head_dim, causal, dtype, warpgroups)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
-                                  shared_estimate=gb.shared_bytes(head_dim), n_regs=getattr(kernel, "n_regs", None),
+                                  shared_estimate=gb.shared_bytes(head_dim, warpgroups), n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__,
                                   **ptxas_report(kernel))), flush=True)
             dump_asm(kernel, name)

@@ -21,7 +21,8 @@ def test_gluon_attention_backward_builds_for_sm90():
     failed = [b for b in builds if "error" in b]
     assert not failed, failed
     assert {b["name"] for b in builds} == {f"bwd hd{d} {kind}" for d in gb.HEAD_DIMS
-                                           for kind in ("full bf16", "causal bf16", "causal fp16")}
+                                           for kind in ("full bf16", "causal bf16", "causal fp16", "full bf16 wg2",
+                                                        "causal bf16 wg2")}
     assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
     assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds  # the estimate must not undercount
     assert not [b for b in builds if b["spills"]], builds  # Triton-level (PTX local memory)
@@ -49,8 +50,12 @@ def test_not_supported_off_gpu():
 def test_offline_shared_estimate_and_blocks():
     assert set(gb.BLOCK_MS) == set(gb.HEAD_DIMS)
     for d in gb.HEAD_DIMS:
-        assert gb.shared_bytes(d) <= HOPPER_SHARED_BYTES
-    assert gb.kernel_args(64, True)[1] == dict(HEAD_DIM=64, STAGES=gb.STAGES, CAUSAL=True)
+        for wg in (1, 2):
+            assert gb.shared_bytes(d, wg) <= HOPPER_SHARED_BYTES
+    assert gb.kernel_args(64, True)[1] == dict(HEAD_DIM=64, CAUSAL=True, WARPGROUPS=gb.WARPGROUPS)
+    assert gb.kernel_args(128, False, 2)[1] == dict(HEAD_DIM=128, CAUSAL=False, WARPGROUPS=2)
+    with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
+        gb.kernel_args(128, False, 3)
 
 
 @pytest.mark.parametrize("case, match", [

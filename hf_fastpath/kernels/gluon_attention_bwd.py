@@ -52,49 +52,59 @@ if HAS_GLUON:
 
     from .gluon_attention import _barrier, _tma_load
 
-__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "BLOCK_N", "STAGES", "NUM_WARPS"]
+__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "WARPGROUPS", "block_n"]
 
 BLOCK_MS = {64: 64, 128: 32}  # query rows per tile (the N of S^T, dP^T and dQ^T) per head dim: hd128 takes 32 so
 #   that dK, dV (128 fp32 registers a thread) and the tile's S^T / dP^T fit 255 registers under Triton 3.6's ptxas
-BLOCK_N = 64  # key rows per CTA (the M of S^T, dP^T, dK, dV)
-STAGES = 2  # Q / dO ring depth
-NUM_WARPS = 4  # one warpgroup
+WARPGROUPS = 1  # warpgroups per CTA, each owning 64 keys (the M of its S^T, dP^T, dK, dV); 2 is opt-in
 SHARED_LIMIT = 232448
 
 
-def shared_bytes(head_dim: int, stages: int = STAGES) -> int:
-    """16-bit tiles of one CTA (K, V, the Q/dO ring, dS^T) plus 1 KB for barriers and layout conversions."""
-    block_m = BLOCK_MS[head_dim]
-    return 2 * (2 * BLOCK_N * head_dim + 2 * stages * block_m * head_dim + BLOCK_N * block_m) + 1024
+def block_n(warpgroups: int = WARPGROUPS) -> int:
+    """Keys per CTA."""
+    return 64 * warpgroups
+
+
+def shared_bytes(head_dim: int, warpgroups: int = WARPGROUPS) -> int:
+    """16-bit tiles of one CTA (K, V, the 2-slot Q/dO ring, dS^T) plus 1 KB for barriers and layout conversions."""
+    block_m, n = BLOCK_MS[head_dim], block_n(warpgroups)
+    return 2 * (2 * n * head_dim + 2 * 2 * block_m * head_dim + n * block_m) + 1024
 
 
 if HAS_GLUON:
 
     @gluon.jit
-    def _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, it, n_mt, m_start, b, h0, seq_q,
-                  q_row_b, q_row_h, q_col_h, do_row_b, do_row_h, do_col_h, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """TMA loads of iteration `it` (query head h0 + it // n_mt, query tile m_start + it % n_mt) into its slot."""
-        slot = it % STAGES
-        h = h0 + it // n_mt
-        m0 = (m_start + it % n_mt) * BLOCK_M
+    def _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, b, h, m0, q_row_b, q_row_h, q_col_h,
+                  do_row_b, do_row_h, do_col_h):
+        """TMA loads of Q and dO rows m0.. of query head h into ring slot `slot`."""
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         _tma_load(q_desc, [b * q_row_b + h * q_row_h + m0, h * q_col_h], ready.index(slot), q_smem.index(slot))
         _tma_load(do_desc, [b * do_row_b + h * do_row_h + m0, h * do_col_h], ready.index(slot), do_smem.index(slot))
+
+    @gluon.jit
+    def _row_stats(lse2_ptr, delta_ptr, b, h, m0, seq_q, num_heads, valid, BLOCK_M: gl.constexpr,
+                   layout: gl.constexpr):
+        """lse2 and delta of query rows m0.. of head h (rows past Sq, or all when not `valid`: lse2 +inf, delta 0,
+        so that their P is 0)."""
+        rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
+        ok = (rows < seq_q) & valid
+        off = (b * num_heads + h).to(gl.int64) * seq_q + rows
+        return gl.load(lse2_ptr + off, mask=ok, other=float("inf")), gl.load(delta_ptr + off, mask=ok, other=0.0)
 
     @gluon.jit
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                          seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WARPGROUPS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]  # 64 keys per warpgroup
         dtype: gl.constexpr = q_desc.dtype
-        # accumulators: keys are M for S^T / dP^T [BLOCK_N, BLOCK_M] and dK / dV [BLOCK_N, D]
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+        # accumulators: keys are M for S^T / dP^T [BLOCK_N, BLOCK_M] and dK / dV [BLOCK_N, D]; with two
+        # warpgroups each owns 64 of the keys (a wgmma's M per warpgroup is 64)
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WARPGROUPS, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
-        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WARPGROUPS, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
@@ -117,22 +127,27 @@ if HAS_GLUON:
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(0), count=1)
+        mbarrier.init(ready.index(1), count=1)
 
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
         _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
-        for i in gl.static_range(STAGES - 1):  # fill the ring but for one slot
-            if i < n_iters:
-                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, i, n_mt, m_start, b, h0, seq_q, q_row_b,
-                          q_row_h, q_col_h, do_row_b, do_row_h, do_col_h, BLOCK_M, STAGES)
+        # iteration it works on query head h and query tile mt (tiles of one head in order, then the next head);
+        # its Q / dO come into ring slot it % 2 during iteration it - 1, its lse2 / delta are loaded then too
+        h = h0
+        mt = m_start
+        if n_iters > 0:
+            _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, b, h, mt * BLOCK_M, q_row_b, q_row_h, q_col_h,
+                      do_row_b, do_row_h, do_col_h)
+        lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, n_iters > 0, BLOCK_M,
+                                 col_layout)
 
         keys = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
         key_ok = gl.expand_dims(keys < seq_k, 1)
@@ -140,34 +155,36 @@ if HAS_GLUON:
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         dq_rows_l: gl.constexpr = gl.SliceLayout(1, kv_layout)
         DQ_CHUNK: gl.constexpr = 64  # dQ's accumulator covers 64 columns of the head dim at a time (registers)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_CHUNK, 16])  # dQ's
-        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_M, 16])  # dQ^T's
+        # dQ's (and dQ^T's) accumulators: with two warpgroups each computes half of the columns
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
+                                                            instr_shape=[16, DQ_CHUNK // WARPGROUPS, 16])
+        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
+                                                             instr_shape=[16, BLOCK_M // WARPGROUPS, 16])
         mbarrier.wait(kv_ready, 0)
         kT = k_smem.permute((1, 0))
         for it in range(0, n_iters):
             # every warp is past iteration it - 1 (its wgmmas retired): its ring slot and dS^T may be reused
             _barrier()
-            nxt = it + STAGES - 1
-            if nxt < n_iters:
-                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, nxt, n_mt, m_start, b, h0, seq_q, q_row_b,
-                          q_row_h, q_col_h, do_row_b, do_row_h, do_col_h, BLOCK_M, STAGES)
-            slot = it % STAGES
-            h = h0 + it // n_mt
-            m0 = (m_start + it % n_mt) * BLOCK_M
+            last_tile = (mt + 1 == n_mt).to(gl.int32)
+            h_next = h + last_tile
+            mt_next = (mt + 1) * (1 - last_tile) + m_start * last_tile
+            more = it + 1 < n_iters
+            if more:
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, (it + 1) % 2, b, h_next, mt_next * BLOCK_M,
+                          q_row_b, q_row_h, q_col_h, do_row_b, do_row_h, do_col_h)
+            lse2_next, delta_next = _row_stats(lse2_ptr, delta_ptr, b, h_next, mt_next * BLOCK_M, seq_q, num_heads,
+                                               more, BLOCK_M, col_layout)
+            slot = it % 2
+            m0 = mt * BLOCK_M
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            mbarrier.wait(ready.index(slot), (it // 2) & 1)
 
             st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
             st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
 
             rows = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            row_ok = rows < seq_q
-            lse_off = (b * num_heads + h).to(gl.int64) * seq_q + rows
-            lse2 = gl.load(lse2_ptr + lse_off, mask=row_ok, other=float("inf"))
-            visible = key_ok & gl.expand_dims(row_ok, 0)
+            visible = key_ok & gl.expand_dims(rows < seq_q, 0)
             if CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
 
@@ -178,7 +195,6 @@ if HAS_GLUON:
             # are never live together, and P^T stays only in 16 bits (hd128 fits 255 registers without spills)
             dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
-            delta = gl.load(delta_ptr + lse_off, mask=row_ok, other=0.0)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
             dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
 
@@ -216,6 +232,10 @@ if HAS_GLUON:
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                     d_cols = c * DQ_CHUNK + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
                     gl.atomic_add(dq_base + dq_off + gl.expand_dims(d_cols, 0), dq, mask=dq_mask, sem="relaxed")
+            lse2 = lse2_next
+            delta = delta_next
+            h = h_next
+            mt = mt_next
 
         d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         k_rows = n0 + gl.arange(0, BLOCK_N, layout=dq_rows_l)
@@ -226,9 +246,12 @@ if HAS_GLUON:
         gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-def kernel_args(head_dim: int, causal: bool) -> tuple:
-    """(kernel, its constexprs); the launcher and tests/gluon_bwd_builds.py share it."""
-    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, STAGES=STAGES, CAUSAL=bool(causal))
+def kernel_args(head_dim: int, causal: bool, warpgroups: int = WARPGROUPS) -> tuple:
+    """(kernel, its constexprs); the launcher and tests/gluon_bwd_builds.py share it. Launch with
+    num_warps=4 * warpgroups."""
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2; got {warpgroups}")
+    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), WARPGROUPS=warpgroups)
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -262,10 +285,12 @@ def _offsets_fit(q: torch.Tensor) -> bool:
 @on_input_device
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
-                             softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             softmax_scale: float | None = None,
+                             warpgroups: int = WARPGROUPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
-    [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right."""
+    [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right.
+    `warpgroups`: 1 or 2 warpgroups per CTA (64 or 128 keys)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
     _check(dout, q, k, v, out, lse, softmax_scale)
@@ -294,7 +319,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     do2, do_map = _fwd._row_view(dout)
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
-    qm_block, kn_block = [BLOCK_MS[D], D], [BLOCK_N, D]
+    kernel, meta = kernel_args(D, bool(causal), warpgroups)
+    qm_block, kn_block = [BLOCK_MS[D], D], [block_n(warpgroups), D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
     kn_layout = nvmma_layout(tuple(kn_block), elem)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), qm_block, qm_layout)
@@ -303,10 +329,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kn_block, kn_layout)
 
     dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
-    kernel, meta = kernel_args(D, bool(causal))
-    grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
+    grid = (triton.cdiv(Sk, block_n(warpgroups)), B * Hkv)
     kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, Sq, Sk, Hq, Hkv, Hq // Hkv,
                  *q_map, *k_map, *v_map, *do_map, softmax_scale * LOG2E, softmax_scale, **meta,
-                 num_warps=NUM_WARPS)
+                 num_warps=4 * warpgroups)
     dq.copy_(dq_acc.mul_(softmax_scale))
     return dq, dk, dv
