@@ -62,9 +62,7 @@ def check(gen):
             row = dict(K=k, N=n, M=m)
             plain = functools.partial(gluon_w4a16_matmul, unpack="plain")
             load = functools.partial(gluon_w4a16_matmul, scales_by="load")
-            parts = [(f"gluon_parts{p}", functools.partial(gluon_w4a16_matmul, acc_parts=p))
-                     for p in (2, 4) if m <= 64 and n % 8 == 0]
-            for name, fn in (("gluon", gluon_w4a16_matmul), ("gluon_plain", plain), ("gluon_load", load), *parts,
+            for name, fn in (("gluon", gluon_w4a16_matmul), ("gluon_plain", plain), ("gluon_load", load),
                              ("triton", w4a16_matmul)):
                 try:
                     y = fn(x, qw, s, z, GROUP)
@@ -95,7 +93,7 @@ def _cycle(call, items):
 def bench(shapes, ms, gen, on_row=lambda rows: None):
     """Rows of times for every (K, N) in shapes and M in ms; `on_row(rows)` after each (the caller saves as it
     goes: a run cut short by a timeout keeps what it measured)."""
-    from hf_fastpath.kernels.gluon_w4a16 import ACC_PARTS_MAX_M, gluon_w4a16_matmul
+    from hf_fastpath.kernels.gluon_w4a16 import gluon_w4a16_matmul
     from hf_fastpath.kernels.w4a16 import _decode_matmul, w4a16_dequantize, w4a16_matmul
 
     def fused(x, qw, s, z):  # our plain-Triton fused kernel at any M (w4a16_matmul runs it up to DECODE_MAX_M)
@@ -118,9 +116,6 @@ def bench(shapes, ms, gen, on_row=lambda rows: None):
                 "gluon_plain_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, unpack="plain"), layers),
                 "gluon_load_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, scales_by="load"), layers),
             }
-            for parts in (2, 4) if m <= ACC_PARTS_MAX_M else ():
-                cases[f"gluon_parts{parts}_us"] = _cycle(
-                    lambda L, x=x, p=parts: gluon_w4a16_matmul(x, *L, GROUP, acc_parts=p), layers)
             for key, fn in cases.items():
                 try:
                     fn()
@@ -134,9 +129,6 @@ def bench(shapes, ms, gen, on_row=lambda rows: None):
                 row["gluon_vs_triton"] = row["triton_us"] / row["gluon_us"]
             if "triton_us" in row and "cublas_us" in row:
                 row["triton_vs_cublas"] = row["cublas_us"] / row["triton_us"]
-            for parts in (2, 4):
-                if f"gluon_parts{parts}_us" in row and "gluon_us" in row:
-                    row[f"gluon_parts{parts}_vs_gluon"] = row["gluon_us"] / row[f"gluon_parts{parts}_us"]
             if "gluon_load_us" in row and "gluon_us" in row:
                 row["gluon_vs_gluon_load"] = row["gluon_load_us"] / row["gluon_us"]
             if "gluon_plain_us" in row and "cublas_us" in row:
@@ -202,7 +194,7 @@ def main():
                               "(the package's dispatch); fused: our Triton fused kernel forced at every M; "
                               "dequant_cublas: dequantize + cuBLAS timed together; gluon: gluon_w4a16_matmul "
                               "(defaults: PTX pair unpack, scales and zeros by TMA), gluon_plain: its fp32 unpack, gluon_load: "
-                              "scales_by='load' (the consumers load them), gluon_parts2/4: acc_parts=2/4 (M <= 64)"))
+                              "scales_by='load' (the consumers load them)"))
     res["check"] = check(gen)
     shapes = SHAPES[:2] if args.quick else SHAPES
     ms = args.ms or ((1, 64, 1024) if args.quick else MS)

@@ -20,7 +20,7 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 
 
 def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=False, scales_tma=False,
-          acc_parts=1, segmented=False):
+          segmented=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gw._w4a16_kernel
@@ -28,7 +28,7 @@ def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=F
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     constexprs = dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=gw.GROUP_M, SCALES_TMA=scales_tma,
-                      ACC_PARTS=acc_parts, SEGMENTED=segmented)
+                      SEGMENTED=segmented)
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
@@ -54,8 +54,8 @@ def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=F
 
 def cases():
     """Every launch configuration `gluon_w4a16_matmul` can pick (config(m) for each M bucket), both group modes,
-    both unpack paths, split-K's fp32 output, scales by TMA, the split-accumulator variants, segments: (name,
-    block_m, stages, plane_groups, dtype, ptx, split[, scales_tma[, acc_parts[, segmented]]])."""
+    both unpack paths, split-K's fp32 output, scales by TMA, segments: (name, block_m, stages, plane_groups, dtype,
+    ptx, split[, scales_tma[, segmented]])."""
     seen = set()
     for m in (1, 32, 64, 4096):
         block_m, stages = gw.config(m)
@@ -77,18 +77,10 @@ def cases():
         yield f"m{block_m} s{stages} g128 bf16 tma", block_m, stages, False, torch.bfloat16, True, False, True
         yield f"m{block_m} s{stages} g128 bf16 split tma", block_m, stages, False, torch.bfloat16, True, True, True
     yield f"m{block_m} s{stages} g128 fp16 tma", block_m, stages, False, torch.float16, True, False, True
-    for parts in (2, 4):  # acc_parts (opt-in; rows of 64 at most)
-        for m in (1, 32, 64):
-            block_m, stages = gw.config(m)
-            yield (f"m{block_m} s{stages} g128 bf16 tma parts{parts}", block_m, stages, False, torch.bfloat16, True,
-                   False, True, parts)
-        yield (f"m{block_m} s{stages} g128 fp16 split tma parts{parts}", block_m, stages, False, torch.float16, True,
-               True, True, parts)
     for m in (1, 4096):  # segments (up to three weights packed on their own, back to back)
         block_m, stages = gw.config(m)
         yield f"m{block_m} s{stages} g128 bf16 split tma segmented", block_m, stages, False, torch.bfloat16, True, \
-            True, True, 1, True
-    yield "m16 s16 g128 bf16 tma parts4 segmented", 16, 16, False, torch.bfloat16, True, False, True, 4, True
+            True, True, True
 
 
 def main():
@@ -103,8 +95,6 @@ def main():
                                   setmaxnreg=ptx.count("setmaxnreg"), n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"),
                                   wgmma_wait_1=ptx.count("wgmma.wait_group.sync.aligned 1"),
-                                  wgmma_wait_2=ptx.count("wgmma.wait_group.sync.aligned 2"),
-                                  wgmma_wait_4=ptx.count("wgmma.wait_group.sync.aligned 4"),
                                   triton=triton.__version__, **ptxas_report(kernel))), flush=True)
             dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build

@@ -30,12 +30,7 @@ def test_gluon_w4a16_builds_for_sm90(builds):
     assert not [b for b in builds if "ptxas_error" in b], builds  # Triton's wheel ships ptxas: it must report
     assert not [b for b in builds if b["ptxas_spill_bytes"]], builds  # ptxas spills
     # one register-A wgmma group per K tile step: 8 x K=16 wgmmas each, one wait with a group in flight
-    # the main loop keeps the last tile's wgmma groups in flight: one group a tile, acc_parts with acc_parts > 1
-    def in_flight(b):
-        return b["wgmma_wait_4" if "parts4" in b["name"] else "wgmma_wait_2" if "parts2" in b["name"] else
-                 "wgmma_wait_1"]
-
-    assert all(b["wgmma"] % 8 == 0 and in_flight(b) > 0 for b in builds), builds
+    assert all(b["wgmma"] % 8 == 0 and b["wgmma_wait_1"] > 0 for b in builds), builds
     # ptxas keeps the wgmmas asynchronous (no C7514/C7515 note, no wait right after each HGMMA): otherwise the
     # dequantization cannot overlap the MMA, the point of this kernel
     assert not [b for b in builds if b.get("serialized") or b.get("ptxas_notes")], builds
@@ -90,10 +85,6 @@ def test_group_sizes():
     ("scales_by", "scales_by must be"),
     ("tma_small_group", "multiples of 128"),
     ("tma_odd_n", "N a multiple of 8"),
-    ("parts_plain", "acc_parts > 1 needs"),
-    ("parts_load", "acc_parts > 1 needs"),
-    ("parts_rows", "at most 64 rows"),
-    ("parts_count", "acc_parts must be 1, 2 or 4"),
 ])
 def test_argument_errors_name_the_problem(case, match):
     k, n, gs = 256, 64, 128
@@ -120,14 +111,9 @@ def test_argument_errors_name_the_problem(case, match):
         gs = 64
     elif case == "tma_odd_n":
         qw, s, z = _weights(k, 60, gs)
-    elif case == "parts_rows":
-        x = torch.randn(65, k, dtype=torch.bfloat16)
-    scales_by = {"scales_by": "smem", "tma_small_group": "tma", "tma_odd_n": "tma", "parts_plain": "auto",
-                 "parts_rows": "auto", "parts_count": "auto"}.get(case, "load")
-    unpack = {"unpack": "fast", "parts_plain": "plain"}.get(case, "ptx")
-    acc_parts = 3 if case == "parts_count" else 2 if case.startswith("parts") else 1
+    scales_by = {"scales_by": "smem", "tma_small_group": "tma", "tma_odd_n": "tma"}.get(case, "load")
     with pytest.raises(ValueError, match=match):
-        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack=unpack, scales_by=scales_by, acc_parts=acc_parts)
+        gw.gluon_w4a16_matmul(x, qw, s, z, gs, unpack="fast" if case == "unpack" else "ptx", scales_by=scales_by)
 
 
 def test_the_kernels_index_mapping_on_the_cpu():

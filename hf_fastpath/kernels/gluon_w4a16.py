@@ -46,10 +46,8 @@ a wait that names the in-flight accumulator in its deps (Gluon tutorials' `wait(
 this kernel; the accumulator is carried as the async token instead (`warpgroup_mma_init`).
 - Split-K when the output tiles leave most SMs idle (small M): each split writes fp32 partials and torch sums
   them (deterministic; two extra small kernels). CTAs run in grouped order (GROUP_M row tiles per band) for L2.
-- `acc_parts=2 / 4` (opt-in, session 13, compiled offline, NOT yet run on a GPU): each K tile's 2 or 4 parts
-  accumulate into their own registers (`_consumer_parts`), so the wgmmas of one part do not wait on another's
-  results. Hypothesis under test: at small M a tile's 8 wgmmas on one accumulator are a dependent chain
-  (each m64n16k16 ~8 cycles of math), and that chain, not the bytes, sets the ~0.56 µs per K tile.
+- Tried and removed: 2 or 4 accumulators per warpgroup (`acc_parts`, sessions 13-14) timed within ±3% of one at
+  M = 1-64 on the H200: the dependent wgmma chain is not what sets the small-M cost per K tile (docs/w4a16.md).
 Limits (`supported` says no, `gluon_w4a16_matmul` raises): K a multiple of 128 (no ragged K tile), group size 32,
 64 or a multiple of 128 (incl. -1 = K), bf16/fp16, sm_90. At M = 1 the plain-Triton fused kernel is faster (this
 kernel 0.64-0.90x of it, ~0.56 µs per K tile against ~0.2 µs of weight bytes; session 13), at M = 16 on two of
@@ -89,8 +87,6 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24
 SHARED_BYTES = 232448  # sm_90 opt-in shared memory per block
 PLANE_GROUP_SIZES = (32, 64)  # groups smaller than a K tile: one scale row per 16-input plane
 GROUP_M = 8  # row tiles per band of the CTA order (L2 reuse); not tuned on a GPU yet
-ACC_PARTS_MAX_M = 64  # acc_parts > 1: 2-4 [64, BLOCK_M] fp32 accumulators a warpgroup (64 registers each at 128
-#   rows, 32 at 64)
 
 
 def config(m: int) -> tuple[int, int]:
@@ -268,105 +264,6 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         return acc, a, s_next, z_next
 
     @gluon.jit
-    def _plane_part(q, s, z, LP: gl.constexpr, a_layout: gl.constexpr):
-        """Nibble planes q [64, P, 16] -> the [64, 16 P] A operand of those inputs (`_scale_planes`). LP: q's
-        layout."""
-        w = _scale_planes(gl.convert_layout(q, LP, assert_trivial=True), s, z)
-        return gl.convert_layout(gl.reshape(w, [64, 16 * q.type.shape[1]]), a_layout, assert_trivial=True)
-
-    @gluon.jit
-    def _dequant_parts(words, s, z, PARTS: gl.constexpr, LP: gl.constexpr, a_layout: gl.constexpr):
-        """`_dequant` (PTX path, one group per tile: s, z [64, 1, 1]) as a tuple of PARTS (2 or 4) A operands
-        [64, 128 / PARTS]: part c holds the tile's nibble planes 8 c / PARTS ..., i.e. its inputs 128 c / PARTS ..."""
-        p0, p1, p2, p3, p4, p5, p6, p7 = _unpack_ptx(words, s)
-        if PARTS == 2:  # join(join(a, b), join(c, d)) is [64, 16, 2, 2], plane 2 x + y of the four at [:, :, y, x]
-            lo = gl.reshape(gl.permute(gl.join(gl.join(p0, p1), gl.join(p2, p3)), (0, 3, 2, 1)), [64, 4, 16])
-            hi = gl.reshape(gl.permute(gl.join(gl.join(p4, p5), gl.join(p6, p7)), (0, 3, 2, 1)), [64, 4, 16])
-            return (_plane_part(lo, s, z, LP, a_layout), _plane_part(hi, s, z, LP, a_layout))
-        else:  # join(a, b) is [64, 16, 2]
-            q0 = gl.reshape(gl.permute(gl.join(p0, p1), (0, 2, 1)), [64, 2, 16])
-            q1 = gl.reshape(gl.permute(gl.join(p2, p3), (0, 2, 1)), [64, 2, 16])
-            q2 = gl.reshape(gl.permute(gl.join(p4, p5), (0, 2, 1)), [64, 2, 16])
-            q3 = gl.reshape(gl.permute(gl.join(p6, p7), (0, 2, 1)), [64, 2, 16])
-            return (_plane_part(q0, s, z, LP, a_layout), _plane_part(q1, s, z, LP, a_layout),
-                    _plane_part(q2, s, z, LP, a_layout), _plane_part(q3, s, z, LP, a_layout))
-
-    @gluon.jit
-    def _mma_parts(a, x_tile, acc, PARTS: gl.constexpr):
-        """One async wgmma group per part: acc[c] += a[c] . (x_tile's inputs of part c)^T."""
-        W: gl.constexpr = 128 // PARTS
-        if PARTS == 2:
-            return (warpgroup_mma(a[0], x_tile.slice(0, W, dim=1).permute((1, 0)), acc[0], is_async=True),
-                    warpgroup_mma(a[1], x_tile.slice(W, W, dim=1).permute((1, 0)), acc[1], is_async=True))
-        else:
-            return (warpgroup_mma(a[0], x_tile.slice(0, W, dim=1).permute((1, 0)), acc[0], is_async=True),
-                    warpgroup_mma(a[1], x_tile.slice(W, W, dim=1).permute((1, 0)), acc[1], is_async=True),
-                    warpgroup_mma(a[2], x_tile.slice(2 * W, W, dim=1).permute((1, 0)), acc[2], is_async=True),
-                    warpgroup_mma(a[3], x_tile.slice(3 * W, W, dim=1).permute((1, 0)), acc[3], is_async=True))
-
-    @gluon.jit
-    def _step_parts(i, acc, a_old, w_smem, x_smem, s_smem, z_smem, ready, empty, ROW0: gl.constexpr,
-                    STAGES: gl.constexpr, PARTS: gl.constexpr, LP: gl.constexpr, a_layout: gl.constexpr):
-        """`_step` with the K tile in PARTS parts, each on its own accumulator (acc, a_old: tuples): a part's
-        wgmmas do not wait for another's results, where one accumulator makes all 8 of a tile (and the next
-        tile's) one dependent chain. Scales and zeros by TMA, one group per tile. Retires tile i - 1's groups."""
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        row_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
-        s = gl.expand_dims(gl.expand_dims(s_smem.index(slot).slice(ROW0, 64).load(row_layout), 1), 2)
-        z = gl.expand_dims(gl.expand_dims(z_smem.index(slot).slice(ROW0, 64).load(row_layout), 1), 2)
-        words = w_smem.index(slot).slice(ROW0, 64).load(gl.SliceLayout(1, LP))
-        a = _dequant_parts(words, s, z, PARTS, LP, a_layout)
-        acc = _mma_parts(a, x_smem.index(slot), acc, PARTS)
-        a_old = warpgroup_mma_wait(num_outstanding=PARTS, deps=a_old)  # tile i - 1's groups: its A is free
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-        return acc, a
-
-    @gluon.jit
-    def _consumer_parts(x_smem, w_smem, s_smem, z_smem, ready, empty, y_ptr, M, N, n_steps, m0, n0,
-                        WARPGROUP: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
-        """`_consumer` with ACC_PARTS accumulators (see `_step_parts`), summed once at the end."""
-        BLOCK_M: gl.constexpr = x_smem.type.shape[1]
-        ROW0: gl.constexpr = WARPGROUP * 64
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_M, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        # `_consumer`'s L3 for 8 / PARTS of the 8 nibble planes (its top plane bases dropped)
-        if PARTS == 2:
-            LP: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 1, 0], [0, 2, 0]],
-                lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
-        else:
-            LP: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 1, 0]],
-                lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 2, 16])
-        zero = warpgroup_mma_init(gl.zeros([64, BLOCK_M], gl.float32, acc_layout))
-        a0 = gl.zeros([64, 128 // PARTS], x_smem.dtype, a_layout)
-        if PARTS == 2:
-            acc = (zero, zero)
-            a_odd = (a0, a0)
-        else:
-            acc = (zero, zero, zero, zero)
-            a_odd = (a0, a0, a0, a0)
-        # as in `_consumer`: whole pairs of tiles, the first pair before the loop, two A register sets
-        acc, a_even = _step_parts(0, acc, a_odd, w_smem, x_smem, s_smem, z_smem, ready, empty, ROW0, STAGES, PARTS,
-                                  LP, a_layout)
-        acc, a_odd = _step_parts(1, acc, a_even, w_smem, x_smem, s_smem, z_smem, ready, empty, ROW0, STAGES, PARTS,
-                                 LP, a_layout)
-        for i in range(2, n_steps, 2):
-            acc, a_even = _step_parts(i, acc, a_odd, w_smem, x_smem, s_smem, z_smem, ready, empty, ROW0, STAGES,
-                                      PARTS, LP, a_layout)
-            acc, a_odd = _step_parts(i + 1, acc, a_even, w_smem, x_smem, s_smem, z_smem, ready, empty, ROW0,
-                                     STAGES, PARTS, LP, a_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=acc)
-        total = acc[0] + acc[1]
-        if PARTS == 4:
-            total = total + acc[2] + acc[3]
-        _store_tile(total, y_ptr, M, N, m0, n0 + ROW0, acc_layout)
-
-    @gluon.jit
     def _store_tile(acc, y_ptr, M, N, m0, row0, acc_layout: gl.constexpr):
         """acc [64 output columns from row0, BLOCK_M rows from m0] -> y[m, n] (transposed back), masked."""
         BLOCK_M: gl.constexpr = acc.type.shape[1]
@@ -435,8 +332,7 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
     @gluon.jit
     def _w4a16_kernel(x_desc, w_desc, s_desc, z_desc, s_ptr, z_ptr, y_ptr, M, N, k_tiles, chunk, group_size, seg1,
                       seg2, STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr,
-                      GROUP_M: gl.constexpr, SCALES_TMA: gl.constexpr, ACC_PARTS: gl.constexpr,
-                      SEGMENTED: gl.constexpr):
+                      GROUP_M: gl.constexpr, SCALES_TMA: gl.constexpr, SEGMENTED: gl.constexpr):
         """One CTA: output tile (m0, n0) over K tiles [kt0, kt0 + n_k) of its split (split-K: `chunk` tiles a
         split, even when there are several, so only the last split can have a phantom tile; each split writes its
         own fp32 partial y_ptr[split], which the host sums)."""
@@ -477,24 +373,14 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
             w_row0, s_row0, n_part = _segment(n0, N, k_tiles, group_size, seg1, seg2)
         else:
             w_row0, s_row0, n_part = n0, n0, N
-        if ACC_PARTS > 1:  # (PTX unpack, scales by TMA, one group per tile: the host checks)
-            gl.warp_specialize([
-                (_consumer_parts, (x_smem, w_smem, s_smem, z_smem, ready, empty, y_ptr, M, N, n_steps, m0, n0, 0,
-                                   STAGES, ACC_PARTS)),
-                (_consumer_parts, (x_smem, w_smem, s_smem, z_smem, ready, empty, y_ptr, M, N, n_steps, m0, n0, 1,
-                                   STAGES, ACC_PARTS)),
-                (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0,
-                             w_row0, s_row0, n_part, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
-            ], [4, 1], _REGS)
-        else:
-            gl.warp_specialize([
-                (_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k,
-                             n_steps, group_size, m0, n0, 0, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
-                (_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k,
-                             n_steps, group_size, m0, n0, 1, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
-                (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0,
-                             w_row0, s_row0, n_part, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
-            ], [4, 1], _REGS)
+        gl.warp_specialize([
+            (_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps,
+                         group_size, m0, n0, 0, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
+            (_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, s_ptr, z_ptr, y_ptr, M, N, kt0, n_k, n_steps,
+                         group_size, m0, n0, 1, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
+            (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, w_row0,
+                         s_row0, n_part, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
+        ], [4, 1], _REGS)
 
     _LAUNCH = LaunchCache(_w4a16_kernel)
 
@@ -541,7 +427,7 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
             and x.shape[-1] == k and gs > 0 and _group_ok(gs, k))
 
 
-def _check(x, qweight, scales, zeros, group_size, scales_by="load", unpack="ptx", acc_parts=1):
+def _check(x, qweight, scales, zeros, group_size, scales_by="load"):
     what = "gluon_w4a16_matmul"
     if not HAS_GLUON:
         raise ValueError(f"{what} needs Triton with Gluon's Hopper module (triton >= 3.6); use "
@@ -566,14 +452,6 @@ def _check(x, qweight, scales, zeros, group_size, scales_by="load", unpack="ptx"
         raise ValueError(f"{what}: scales_by='tma' takes group sizes that are multiples of {BLOCK_K} (or one "
                          f"group) and N a multiple of 8 (each box starts on 16 bytes), got group_size {group_size}, "
                          f"N = {n}; use scales_by='load'")
-    rows = x.numel() // k
-    if acc_parts not in (1, 2, 4):
-        raise ValueError(f"{what}: acc_parts must be 1, 2 or 4, got {acc_parts!r}")
-    if acc_parts > 1 and (unpack != "ptx" or scales_by == "load" or not scales_by_tma(n, gs)
-                          or rows > ACC_PARTS_MAX_M):
-        raise ValueError(f"{what}: acc_parts > 1 needs unpack='ptx', scales by TMA (group sizes that are multiples "
-                         f"of {BLOCK_K}, N a multiple of 8) and at most {ACC_PARTS_MAX_M} rows; got "
-                         f"unpack={unpack!r}, scales_by={scales_by!r}, group_size {group_size}, N = {n}, {rows} rows")
     for name, t in (("scales", scales), ("zeros", zeros)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (k // gs, n):
             raise ValueError(f"{what}: {name} must have shape [K // group_size, N] = [{k // gs}, {n}], got "
@@ -595,7 +473,7 @@ def _check(x, qweight, scales, zeros, group_size, scales_by="load", unpack="ptx"
 @on_input_device
 def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int, *, unpack: str = "ptx", splits: int | None = None,
-                       scales_by: str = "auto", acc_parts: int = 1) -> torch.Tensor:
+                       scales_by: str = "auto") -> torch.Tensor:
     """y = x @ W with W held as 4-bit words (`w4a16_pack`'s layout), as `w4a16_matmul`: x [..., K] bf16/fp16,
     returns [..., N] in x's dtype. group_size: 32, 64, a multiple of 128, or -1 (one group over K).
     unpack: "ptx" (16-bit pair arithmetic, exact q - z for integer zero points, as every checkpoint format stores)
@@ -604,31 +482,26 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     one, fp32 partial sums are written and summed (deterministically) by torch.
     scales_by: "tma" (the producer brings each tile's scales and zeros through the ring with its weights: 1.04-1.49x
     faster on the H200, session 13; group sizes that are a multiple of 128 or one group, N a multiple of 8),
-    "load" (the consumers load them one tile ahead), or "auto" (default): "tma" where it applies.
-    acc_parts: 2 or 4 splits each K tile into that many parts, each accumulating into its own registers, so that
-    the wgmmas of one part need not wait for another's (one accumulator makes them one dependent chain, a suspect
-    for the small-M cost per K tile). Needs the PTX unpack, scales by TMA and groups of >= 128; rows of 64 at
-    most. Opt-in: written in session 13, compiled offline, NOT yet run on a GPU."""
+    "load" (the consumers load them one tile ahead), or "auto" (default): "tma" where it applies."""
     if unpack not in ("ptx", "plain"):
         raise ValueError(f"gluon_w4a16_matmul: unpack must be 'ptx' or 'plain', got {unpack!r}")
     if scales_by not in ("auto", "load", "tma"):
         raise ValueError(f"gluon_w4a16_matmul: scales_by must be 'auto', 'load' or 'tma', got {scales_by!r}")
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"gluon_w4a16_matmul: splits must be a positive int or None, got {splits!r}")
-    k, n, gs = _check(x, qweight, scales, zeros, group_size, scales_by, unpack, acc_parts)
+    k, n, gs = _check(x, qweight, scales, zeros, group_size, scales_by)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = gluon_w4a16_matmul_rows(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), gs,
-                                unpack=unpack, splits=splits, scales_by=scales_by, acc_parts=acc_parts)
+                                unpack=unpack, splits=splits, scales_by=scales_by)
     return y.reshape(*lead, n)
 
 
 def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                             group_size: int, *, unpack: str = "ptx", splits: int | None = None,
-                            scales_by: str = "auto", acc_parts: int = 1,
-                            segments: tuple[int, int] | None = None) -> torch.Tensor:
+                            scales_by: str = "auto", segments: tuple[int, int] | None = None) -> torch.Tensor:
     """`gluon_w4a16_matmul` without its argument checks, for callers that checked the layer once and asked
     `supported` (`w4a16_matmul_rows`): x2 [M, K] with unit column stride on x2's current device, contiguous
     weights in x2's dtype, group_size the effective one. Returns [M, N]. Its host time is what an eager prefill
@@ -670,8 +543,8 @@ def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: tor
     _LAUNCH.launch((tiles * n_splits, ), (x_desc, w_desc, s_desc, z_desc, scales, zeros, out, m, n, k_tiles, chunk,
                                          group_size, seg1, seg2),
                    dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=GROUP_M, SCALES_TMA=tma_scales,
-                        ACC_PARTS=acc_parts, SEGMENTED=segments is not None, num_warps=4, maxnreg=MAXNREG),
-                   (stages, plane_groups, ptx, tma_scales, acc_parts, segments is not None))
+                        SEGMENTED=segments is not None, num_warps=4, maxnreg=MAXNREG),
+                   (stages, plane_groups, ptx, tma_scales, segments is not None))
     if n_splits > 1:
         torch.sum(out, dim=0, out=y)  # fp32 sums rounded once into y
     return y

@@ -45,12 +45,12 @@ def _layer(k, n, gs, dtype, zeros="asym"):
     return _LAYERS[key]
 
 
-def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto", acc_parts=1):
+def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto"):
     qweight, scales, z, w64 = _layer(k, n, gs, dtype, zeros)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     assert gw.supported(x, qweight, gs)
-    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by, acc_parts=acc_parts)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by)
     torch.cuda.synchronize()
     ref = x.double() @ w64
     assert y.shape == (m, n) and y.dtype == dtype
@@ -144,19 +144,6 @@ def test_scales_by_tma_is_bitwise_the_loads(kng, m):
     assert torch.equal(y, gw.gluon_w4a16_matmul(x, qweight, scales, z, eff, scales_by="load"))
 
 
-@pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("m", [1, 16, 17, 32, 64])
-@pytest.mark.parametrize("kng", [(4096, 4096, 128), (4096, 14336, 128), (512, 1000, 128), (384, 200, -1),
-                                 (14336, 4096, 256)], ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
-def test_acc_parts_match_float64(kng, m, dtype, parts):
-    """acc_parts (each K tile's parts on their own accumulators): every row tile it takes (16, 32, 64), N not a
-    multiple of 128, an odd K-tile count (384), split-K (small M on 32-column-tile layers), one group."""
-    k, n, gs = kng
-    eff = k if gs == -1 else gs
-    _check(f"{dtype} g{gs} M={m} K={k} N={n} parts{parts}", m, k, n, eff, dtype, acc_parts=parts)
-
-
 def test_symmetric_zeros_and_leading_dims():
     qweight, scales, z, w64 = _layer(1024, 512, 128, torch.bfloat16, "sym")
     x = torch.randn(2, 3, 50, 1024, device="cuda").to(torch.bfloat16)
@@ -191,20 +178,19 @@ def test_matches_the_triton_kernel():
         assert (a - b).abs().max().item() <= TOL[torch.bfloat16] * b.abs().max().item()
 
 
-@pytest.mark.parametrize("m, variant", [(m, v) for m in (1, 64, 1000) for v in ("ptx", "plain", "parts2", "parts4")
-                                        if m <= gw.ACC_PARTS_MAX_M or not v.startswith("parts")])
-def test_repeat_runs_are_bitwise_identical(m, variant):
+@pytest.mark.parametrize("unpack", ["ptx", "plain"])
+@pytest.mark.parametrize("m", [1, 64, 1000])
+def test_repeat_runs_are_bitwise_identical(m, unpack):
     """No atomics (split-K partials are summed by torch): a race (a slot reused before its wgmma finished, A
     registers rewritten while a wgmma reads them) shows as run-to-run differences. 200 calls, each compared bit
     for bit with the first. 14336 x 4096 has 32 column tiles, so M = 1 and 64 also take the split-K path."""
     qweight, scales, z, _ = _layer(14336, 4096, 128, torch.bfloat16)  # 32 column tiles: M <= 64 splits K
     x = torch.randn(m, 14336, device="cuda").to(torch.bfloat16)
-    kw = dict(acc_parts=int(variant[-1])) if variant.startswith("parts") else dict(unpack=variant)
-    first = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, **kw)
+    first = gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, unpack=unpack)
     bad = 0
     for _ in range(200):
-        bad += int(not torch.equal(gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, **kw), first))
-    REPORT.append(dict(case=f"repeat M={m} {variant}", mismatching_calls=bad))
+        bad += int(not torch.equal(gw.gluon_w4a16_matmul(x, qweight, scales, z, 128, unpack=unpack), first))
+    REPORT.append(dict(case=f"repeat M={m} {unpack}", mismatching_calls=bad))
     assert bad == 0, f"{bad}/200 calls differ from the first"
 
 
@@ -258,11 +244,11 @@ def _back_to_back(k, ns, gs, dtype=torch.bfloat16):
     return parts, torch.cat([layer[3] for layer in layers], 1)
 
 
-@pytest.mark.parametrize("m, acc_parts", [(1, 1), (16, 1), (64, 1), (300, 1), (1, 4), (16, 4), (64, 4)])
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
 @pytest.mark.parametrize("ns", [(4096, 1024, 1024), (1024, 512), (14336, 14336)], ids=lambda s: "+".join(map(str, s)))
-def test_segments_match_float64(ns, m, acc_parts):
+def test_segments_match_float64(ns, m):
     """Up to three weights packed on their own and stored back to back, as one launch (`segments`): q/k/v and
-    gate/up shapes, split-K (small M), 128-row tiles (300), with and without split accumulators."""
+    gate/up shapes, split-K (small M), 128-row tiles (300)."""
     from hf_fastpath.kernels import w4a16
 
     k = 4096
@@ -270,11 +256,11 @@ def test_segments_match_float64(ns, m, acc_parts):
     n = sum(ns)
     segments = (ns[0], ns[0] + ns[1] if len(ns) == 3 else n)
     x = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)).to(torch.bfloat16)
-    y = gw.gluon_w4a16_matmul_rows(x, *w4a16._spanning(parts, n), 128, acc_parts=acc_parts, segments=segments)
+    y = gw.gluon_w4a16_matmul_rows(x, *w4a16._spanning(parts, n), 128, segments=segments)
     torch.cuda.synchronize()
     ref = x.double() @ w64
     err, scale = (y.double() - ref).abs().max().item(), ref.abs().max().item()
-    REPORT.append(dict(case=f"segments {ns} M={m} parts{acc_parts}", max_err=err, scale=scale, rel=err / scale))
+    REPORT.append(dict(case=f"segments {ns} M={m}", max_err=err, scale=scale, rel=err / scale))
     assert y.shape == (m, n) and err <= TOL[torch.bfloat16] * scale
 
 
