@@ -129,12 +129,21 @@ def bench(impls, head_dims, seqs, variants=False):
     return rows
 
 
-def bench_backward(head_dims, seqs):
+def _bwd_name(variant):
+    """Column of a Gluon backward variant: "gluon" for the default, "gluon_<variant>" for the others."""
+    from hf_fastpath.kernels.gluon_attention_bwd import DEFAULT_VARIANT
+
+    return "gluon" if variant == DEFAULT_VARIANT else f"gluon_{variant}"
+
+
+def bench_backward(head_dims, seqs, variants):
     """Backward only: the Gluon backward and our Triton backward on the same out / lse, and cuDNN's backward as
     (forward + backward) - forward through autograd. FLOPs = 2.5x the forward's."""
     from hf_fastpath.kernels.flash_attention import flash_attention_backward
     from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
     from hf_fastpath.kernels.gluon_attention_bwd import gluon_attention_backward
+
+    names = [_bwd_name(n) for n in variants]
 
     cudnn = implementations()["sdpa_cudnn"]
     rows = []
@@ -144,20 +153,23 @@ def bench_backward(head_dims, seqs):
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         fl = 2.5 * flops(b, h, s, d, causal)
         row = dict(head_dim=d, heads=h, seq=s, batch=b, causal=causal,
-                   gluon=_timed(lambda: gluon_attention_backward(do, q, k, v, out, lse, causal=causal), fl),
-                   gluon_wg2=_timed(lambda: gluon_attention_backward(do, q, k, v, out, lse, causal=causal,
-                                                                     warpgroups=2), fl),
+                   **{_bwd_name(n): _timed(lambda n=n: gluon_attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                                                variant=n), fl) for n in variants},
                    triton=_timed(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal), fl))
-        both = _timed(lambda: torch.autograd.grad(cudnn(qg, kg, vg, causal), (qg, kg, vg), do), fl)["ms"]
-        fwd = _timed(lambda: cudnn(q, k, v, causal), fl)["ms"]
-        row["sdpa_cudnn"] = dict(ms=both - fwd, tflops=fl / (both - fwd) * 1e-9, fwd_bwd_ms=both)
-        for name in ("gluon", "gluon_wg2", "triton"):
-            if "ms" in row[name]:
+        both = _timed(lambda: torch.autograd.grad(cudnn(qg, kg, vg, causal), (qg, kg, vg), do), fl)
+        fwd = _timed(lambda: cudnn(q, k, v, causal), fl)
+        if "ms" in both and "ms" in fwd:
+            ms = both["ms"] - fwd["ms"]
+            row["sdpa_cudnn"] = dict(ms=ms, tflops=fl / ms * 1e-9, fwd_bwd_ms=both["ms"])
+        else:
+            row["sdpa_cudnn"] = dict(error=both.get("error") or fwd.get("error"))
+        for name in names + ["triton"]:
+            if "ms" in row[name] and "ms" in row["sdpa_cudnn"]:
                 row[f"{name}_vs_cudnn"] = row["sdpa_cudnn"]["ms"] / row[name]["ms"]
         rows.append(row)
         _log(f"bwd hd{d} S={s} {'causal' if causal else 'full'} "
              + "  ".join(f"{n} {row[n].get('tflops', float('nan')):6.1f}"
-                         for n in ("gluon", "gluon_wg2", "triton", "sdpa_cudnn"))
+                         for n in names + ["triton", "sdpa_cudnn"])
              + f"  gluon x cuDNN {row.get('gluon_vs_cudnn', float('nan')):.2f}")
     return rows
 
@@ -220,6 +232,8 @@ def main():
     ap.add_argument("--backward", action="store_true",
                     help="time the Gluon backward beside our Triton backward and cuDNN's (rows in 'backward')")
     ap.add_argument("--skip-forward", action="store_true", help="with --backward: no forward rows")
+    ap.add_argument("--bwd-variants", nargs="*", help="with --backward: the Gluon backward variants to time "
+                    "(default: all of gluon_attention_bwd.VARIANTS)")
     args = ap.parse_args()
     if args.plot and not torch.cuda.is_available():
         plot(args.json, args.plot)
@@ -232,7 +246,12 @@ def main():
     impls = implementations()
     errors = {} if args.skip_forward else check(impls, args.variants)
     rows = [] if args.skip_forward else bench(impls, args.head_dims, args.seqs, args.variants)
-    extra = dict(backward=bench_backward(args.head_dims, args.seqs)) if args.backward else {}
+    if args.backward:
+        from hf_fastpath.kernels.gluon_attention_bwd import VARIANTS
+
+        extra = dict(backward=bench_backward(args.head_dims, args.seqs, args.bwd_variants or list(VARIANTS)))
+    else:
+        extra = {}
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", tokens_per_batch=TOKENS,
                 seconds=round(time.time() - t0, 1), timing="triton.testing.do_bench median, warmup 10, rep 50",

@@ -21,19 +21,20 @@ from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
 from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
 
 
-def build(head_dim, causal, dtype=torch.bfloat16, warpgroups=gb.WARPGROUPS):
+def build(head_dim, causal, dtype=torch.bfloat16, variant=gb.DEFAULT_VARIANT):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, constexprs = gb.kernel_args(head_dim, causal, warpgroups)
+    fn, constexprs = gb.kernel_args(head_dim, causal, variant)
+    cfg = gb.launch(variant)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in ("q_desc", "do_desc"):
-            sig[p.name] = descriptor_type(dtype, [gb.BLOCK_MS[head_dim], head_dim])
+            sig[p.name] = descriptor_type(dtype, [cfg.block_m[head_dim], head_dim])
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, [gb.block_n(warpgroups), head_dim])
+            sig[p.name] = descriptor_type(dtype, [cfg.block_n, head_dim])
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
@@ -42,29 +43,31 @@ def build(head_dim, causal, dtype=torch.bfloat16, warpgroups=gb.WARPGROUPS):
             sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4 * warpgroups))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, **(dict(maxnreg=gb.MAXNREG) if cfg.warp_specialized else {})))
 
 
 def cases():
-    """(name, head dim, causal, dtype, warpgroups): every head dim and mask in bf16, causal fp16, and the 2-warpgroup
-    CTA (128 keys) in bf16."""
+    """(name, head dim, causal, dtype, variant): every head dim and mask in bf16 for each variant, and causal fp16
+    for the default."""
     for head_dim in gb.HEAD_DIMS:
         for causal in (False, True):
-            yield f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, 1
-            yield f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 wg2", head_dim, causal, torch.bfloat16, 2
-        yield f"bwd hd{head_dim} causal fp16", head_dim, True, torch.float16, 1
+            for variant in gb.VARIANTS:
+                suffix = "" if variant == gb.DEFAULT_VARIANT else f" {variant}"
+                yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16{suffix}", head_dim, causal,
+                       torch.bfloat16, variant)
+        yield f"bwd hd{head_dim} causal fp16", head_dim, True, torch.float16, gb.DEFAULT_VARIANT
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype, warpgroups in cases():
+    for name, head_dim, causal, dtype, variant in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype, warpgroups)
+            kernel = build(head_dim, causal, dtype, variant)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
-                                  shared_estimate=gb.shared_bytes(head_dim, warpgroups), n_regs=getattr(kernel, "n_regs", None),
+                                  shared_estimate=gb.shared_bytes(head_dim, variant), n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__,
                                   **ptxas_report(kernel))), flush=True)
             dump_asm(kernel, name)

@@ -34,6 +34,7 @@ Offline builds (tests/gluon_bwd_builds.py, 2026-12-02), Triton 3.9 / 3.6: shared
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,26 +53,50 @@ if HAS_GLUON:
 
     from .gluon_attention import _barrier, _tma_load
 
-__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "WARPGROUPS", "block_n"]
+__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "VARIANTS", "DEFAULT_VARIANT",
+           "Launch", "launch"]
 
 BLOCK_MS = {64: 64, 128: 32}  # query rows per tile (the N of S^T, dP^T and dQ^T) per head dim: hd128 takes 32 so
 #   that dK, dV (128 fp32 registers a thread) and the tile's S^T / dP^T fit 255 registers under Triton 3.6's ptxas
-WARPGROUPS = 1  # warpgroups per CTA, each owning 64 keys (the M of its S^T, dP^T, dK, dV); 2 is opt-in
 SHARED_LIMIT = 232448
+MAXNREG = 168  # warp-specialized: 3 warpgroups x 128 threads x 168 <= 64K registers, then moved by setmaxnreg
+WS_REGS = (248, 24)  # setmaxnreg of the second consumer and of the loader / dQ-reducer warpgroup
 
 
-def block_n(warpgroups: int = WARPGROUPS) -> int:
-    """Keys per CTA."""
-    return 64 * warpgroups
+class Launch(NamedTuple):
+    """How one variant launches: keys per CTA, warps, whether it is the warp-specialized kernel, and query rows
+    per tile by head dim."""
+    block_n: int
+    num_warps: int
+    warp_specialized: bool
+    block_m: dict = BLOCK_MS
 
 
-def shared_bytes(head_dim: int, warpgroups: int = WARPGROUPS) -> int:
-    """16-bit tiles of one CTA (K, V, the 2-slot Q/dO ring, dS^T) plus 1 KB for barriers and layout conversions."""
-    block_m, n = BLOCK_MS[head_dim], block_n(warpgroups)
-    return 2 * (2 * n * head_dim + 2 * 2 * block_m * head_dim + n * block_m) + 1024
+# "default": one warpgroup per 64 keys, dQ by atomics from the compute warps; "wg2": the same kernel with two
+# warpgroups per 128 keys; "ws": warp-specialized, two consumer warpgroups per 128 keys and a loader / dQ-reducer
+# warpgroup (the consumers hand their partial dQ^T over through shared memory)
+VARIANTS = {"default": Launch(64, 4, False), "wg2": Launch(128, 8, False),
+            "ws": Launch(128, 4, True, {64: 32, 128: 32})}  # hd64 x 64 rows spilled at 232 registers
+DEFAULT_VARIANT = "default"
+
+
+def launch(variant: str = DEFAULT_VARIANT) -> Launch:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
+    return VARIANTS[variant]
+
+
+def shared_bytes(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
+    """16-bit tiles of one CTA (K, V, the 2-slot Q/dO ring, dS^T; "ws": and 4 fp32 dQ^T buffers) plus 1 KB for
+    barriers and layout conversions."""
+    cfg = launch(variant)
+    block_m = cfg.block_m[head_dim]
+    tiles = 2 * (2 * cfg.block_n * head_dim + 2 * 2 * block_m * head_dim + cfg.block_n * block_m)
+    return tiles + (4 * 4 * head_dim * block_m if cfg.warp_specialized else 0) + 1024
 
 
 if HAS_GLUON:
+    _WS_REGS = gl.constexpr(list(WS_REGS))
 
     @gluon.jit
     def _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, b, h, m0, q_row_b, q_row_h, q_col_h,
@@ -90,6 +115,13 @@ if HAS_GLUON:
         ok = (rows < seq_q) & valid
         off = (b * num_heads + h).to(gl.int64) * seq_q + rows
         return gl.load(lse2_ptr + off, mask=ok, other=float("inf")), gl.load(delta_ptr + off, mask=ok, other=0.0)
+
+    @gluon.jit
+    def _next_tile(h, mt, m_start, m_end):
+        """(query head, query tile) of the iteration after (h, mt): a head's tiles m_start..m_end-1 in order, then
+        the next head of the GQA group (no integer division)."""
+        last = (mt + 1 == m_end).to(gl.int32)
+        return h + last, (mt + 1) * (1 - last) + m_start * last
 
     @gluon.jit
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
@@ -122,8 +154,8 @@ if HAS_GLUON:
             m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
         else:
             m_start = 0
-        n_mt = gl.maximum(gl.cdiv(seq_q, BLOCK_M) - m_start, 0)
-        n_iters = n_mt * group
+        m_end = gl.cdiv(seq_q, BLOCK_M)
+        n_iters = gl.maximum(m_end - m_start, 0) * group
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -165,9 +197,7 @@ if HAS_GLUON:
         for it in range(0, n_iters):
             # every warp is past iteration it - 1 (its wgmmas retired): its ring slot and dS^T may be reused
             _barrier()
-            last_tile = (mt + 1 == n_mt).to(gl.int32)
-            h_next = h + last_tile
-            mt_next = (mt + 1) * (1 - last_tile) + m_start * last_tile
+            h_next, mt_next = _next_tile(h, mt, m_start, m_end)
             more = it + 1 < n_iters
             if more:
                 _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, (it + 1) % 2, b, h_next, mt_next * BLOCK_M,
@@ -246,12 +276,194 @@ if HAS_GLUON:
         gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-def kernel_args(head_dim: int, causal: bool, warpgroups: int = WARPGROUPS) -> tuple:
-    """(kernel, its constexprs); the launcher and tests/gluon_bwd_builds.py share it. Launch with
-    num_warps=4 * warpgroups."""
-    if warpgroups not in (1, 2):
-        raise ValueError(f"warpgroups must be 1 or 2; got {warpgroups}")
-    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), WARPGROUPS=warpgroups)
+    @gluon.jit
+    def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full, dq_empty,
+                     lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
+                     num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations; per iteration
+        its partial dQ^T (over its keys) goes to shared memory for the reducer instead of atomics."""
+        ROWS: gl.constexpr = 64
+        dtype: gl.constexpr = q_smem.dtype
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])  # S^T, dP^T, dQ^T
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])  # dK, dV
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
+        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
+        k_w = k_smem.slice(WG * ROWS, ROWS, dim=0)
+        v_w = v_smem.slice(WG * ROWS, ROWS, dim=0)
+        kT = k_w.permute((1, 0))
+        ds_w = ds_smem.index(WG)
+        diag = seq_k - seq_q
+        keys = n0 + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
+        key_ok = gl.expand_dims(keys < seq_k, 1)
+        dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
+        st_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout)
+        h = h0
+        mt = m_start
+        lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, n_iters > 0, BLOCK_M,
+                                 col_layout)
+        mbarrier.wait(kv_ready, 0)
+        for it in range(0, n_iters):
+            _barrier()  # this warpgroup's warps are past iteration it - 1: dS^T may be overwritten
+            h_next, mt_next = _next_tile(h, mt, m_start, m_end)
+            lse2_next, delta_next = _row_stats(lse2_ptr, delta_ptr, b, h_next, mt_next * BLOCK_M, seq_q, num_heads,
+                                               it + 1 < n_iters, BLOCK_M, col_layout)
+            slot = it % 2
+            phase = (it // 2) & 1
+            q_tile = q_smem.index(slot)
+            do_tile = do_smem.index(slot)
+            mbarrier.wait(ready.index(slot), phase)
+            st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            rows = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
+            visible = key_ok & gl.expand_dims(rows < seq_q, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
+            dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+            dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
+            dst16 = dst.to(dtype)
+            ds_w.store(dst16)
+            dst16 = gl.convert_layout(dst16, a_layout)
+            dk = warpgroup_mma(dst16, q_tile, dk, is_async=True)
+            fence_async_shared()
+            _barrier()  # dS^T of all four warps is in shared memory before the dQ^T wgmma reads it
+            dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
+            mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
+            # dQ_i^T (this warpgroup's part) = K^T . dS^T in 64-row pieces of the head dim, into shared memory once
+            # the reducer has summed what this slot held two iterations ago
+            mbarrier.wait(dq_empty.index(slot), phase ^ 1)
+            for c in gl.static_range(HEAD_DIM // 64):
+                dqt = warpgroup_mma(kT.slice(c * 64, 64, dim=0), ds_w, st_zero, use_acc=False, is_async=True)
+                dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
+                dq_smem.index(2 * slot + WG).slice(c * 64, 64, dim=0).store(dqt)
+            mbarrier.arrive(dq_full.index(slot), count=1)  # (Gluon syncs the warpgroup before an arrive)
+            lse2 = lse2_next
+            delta = delta_next
+            h = h_next
+            mt = mt_next
+
+        d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        k_rows = n0 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
+        kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * HEAD_DIM
+        kv_mask = gl.expand_dims(k_rows < seq_k, 1)
+        kv_ptrs = gl.expand_dims(kv_off, 1) + gl.expand_dims(d_cols, 0)
+        gl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+    @gluon.jit
+    def _ws_loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
+                           ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
+                           num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
+                           v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i one iteration ahead into a 2-slot ring) and the
+        dQ reduction: iteration i's two partial dQ_i^T are summed from shared memory and atomically added to the
+        fp32 dQ buffer, so that the consumers' registers never wait on atomics."""
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
+        _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
+        h = h0  # of the iteration being reduced
+        mt = m_start
+        h_ld = h0  # of the last iteration loaded
+        mt_ld = m_start
+        if n_iters > 0:
+            _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, b, h_ld, mt_ld * BLOCK_M, q_row_b, q_row_h,
+                      q_col_h, do_row_b, do_row_h, do_col_h)
+        # dQ^T pieces of 16 head-dim rows: 4 consecutive head-dim elements (16 contiguous bytes of dQ) a thread
+        RED_ROWS: gl.constexpr = 16
+        red_layout: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])
+        for it in range(0, n_iters):
+            if it + 1 < n_iters:
+                h_ld, mt_ld = _next_tile(h_ld, mt_ld, m_start, m_end)
+                nslot = (it + 1) % 2
+                mbarrier.wait(empty.index(nslot), (((it + 1) // 2) & 1) ^ 1)  # both consumers are done with it - 1
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, nslot, b, h_ld, mt_ld * BLOCK_M, q_row_b, q_row_h,
+                          q_col_h, do_row_b, do_row_h, do_col_h)
+            slot = it % 2
+            mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
+            queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, red_layout))
+            q_off = gl.expand_dims(queries * (num_heads * HEAD_DIM), 0)  # int32, from (batch, head)'s base
+            q_mask = gl.expand_dims(queries < seq_q, 0)
+            base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
+            for r in gl.static_range(HEAD_DIM // RED_ROWS):
+                part0 = dq_smem.index(2 * slot).slice(r * RED_ROWS, RED_ROWS, dim=0).load(red_layout)
+                part1 = dq_smem.index(2 * slot + 1).slice(r * RED_ROWS, RED_ROWS, dim=0).load(red_layout)
+                d = r * RED_ROWS + gl.arange(0, RED_ROWS, layout=gl.SliceLayout(1, red_layout))
+                gl.atomic_add(base + q_off + gl.expand_dims(d, 1), part0 + part1, mask=q_mask, sem="relaxed")
+            mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
+            h, mt = _next_tile(h, mt, m_start, m_end)
+
+    @gluon.jit
+    def _attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+                            seq_q, seq_k, num_heads, num_kv_heads, group,
+                            q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
+                            do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
+                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+        """Warp-specialized: per CTA 128 keys of one (batch, kv-head), two consumer warpgroups of 64 keys each and a
+        loader / dQ-reducer warpgroup (see `_ws_consumer`, `_ws_loader_reducer`)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_n = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // num_kv_heads
+        hk = bh % num_kv_heads
+        h0 = hk * group
+        n0 = pid_n * BLOCK_N
+        if CAUSAL:  # the first query that sees key n0 is n0 - (Sk - Sq)
+            m_start = gl.maximum(n0 - (seq_k - seq_q), 0) // BLOCK_M
+        else:
+            m_start = 0
+        m_end = gl.cdiv(seq_q, BLOCK_M)
+        n_iters = gl.maximum(m_end - m_start, 0) * group
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype))
+        # [slot * 2 + consumer]: each consumer's partial dQ^T of the iteration in that slot
+        dq_smem = gl.allocate_shared_memory(gl.float32, [4, HEAD_DIM, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float32))
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a Q / dO slot
+            mbarrier.init(dq_full.index(i), count=2)  # both consumers' partial dQ^T are in
+            mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
+        gl.warp_specialize([
+            (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
+                            dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
+                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, CAUSAL)),
+            (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
+                            dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
+                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, CAUSAL)),
+            (_ws_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem,
+                                  kv_ready, ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end,
+                                  n_iters, seq_q, num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h,
+                                  v_row_b, v_row_h, v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M)),
+        ], [4, 4], _WS_REGS)
+
+
+def kernel_args(head_dim: int, causal: bool, variant: str = DEFAULT_VARIANT) -> tuple:
+    """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
+    cfg = launch(variant)
+    if cfg.warp_specialized:
+        return _attn_bwd_ws_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal))
+    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), WARPGROUPS=cfg.num_warps // 4)
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -286,14 +498,15 @@ def _offsets_fit(q: torch.Tensor) -> bool:
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                              softmax_scale: float | None = None,
-                             warpgroups: int = WARPGROUPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             variant: str = DEFAULT_VARIANT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
     [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right.
-    `warpgroups`: 1 or 2 warpgroups per CTA (64 or 128 keys)."""
+    `variant`: one of `VARIANTS`."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
     _check(dout, q, k, v, out, lse, softmax_scale)
+    cfg = launch(variant)
     from .flash_attention import _bwd_preprocess, _strides4  # the plain-Triton preprocess (delta, lse2)
 
     B, Sq, Hq, D = q.shape
@@ -319,8 +532,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     do2, do_map = _fwd._row_view(dout)
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
-    kernel, meta = kernel_args(D, bool(causal), warpgroups)
-    qm_block, kn_block = [BLOCK_MS[D], D], [block_n(warpgroups), D]
+    kernel, meta = kernel_args(D, bool(causal), variant)
+    qm_block, kn_block = [cfg.block_m[D], D], [cfg.block_n, D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
     kn_layout = nvmma_layout(tuple(kn_block), elem)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), qm_block, qm_layout)
@@ -329,9 +542,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kn_block, kn_layout)
 
     dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(Sk, block_n(warpgroups)), B * Hkv)
+    grid = (triton.cdiv(Sk, cfg.block_n), B * Hkv)
+    options = dict(num_warps=cfg.num_warps, maxnreg=MAXNREG) if cfg.warp_specialized else dict(num_warps=cfg.num_warps)
     kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, Sq, Sk, Hq, Hkv, Hq // Hkv,
                  *q_map, *k_map, *v_map, *do_map, softmax_scale * LOG2E, softmax_scale, **meta,
-                 num_warps=4 * warpgroups)
+                 **options)
     dq.copy_(dq_acc.mul_(softmax_scale))
     return dq, dk, dv

@@ -28,12 +28,12 @@ def _rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _check(name, q, k, v, dout, causal, floor=2e-3, warpgroups=gb.WARPGROUPS):
+def _check(name, q, k, v, dout, causal, floor=2e-3, variant=gb.DEFAULT_VARIANT):
     out, lse = ga.gluon_attention_forward(q, k, v, causal=causal)
     d64 = [t.double() for t in (q, k, v, dout)]
     ref_out, ref_lse = reference.attention_forward(*d64[:3], causal=causal)
     ref = reference.attention_backward(d64[3], *d64[:3], ref_out, ref_lse, causal=causal)
-    got = gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=causal, warpgroups=warpgroups)
+    got = gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=causal, variant=variant)
     yard = flash_attention_backward(dout, q, k, v, out, lse, causal=causal)
     errs = {}
     for gname, x, y, r, like in zip(("dq", "dk", "dv"), got, yard, ref, (q, k, v)):
@@ -51,31 +51,30 @@ LENGTHS = [1, 17, 129, 1000, 2049]
 HEADS = [(4, 4), (32, 8)]  # MHA, GQA 32/8
 
 
-@pytest.mark.parametrize("warpgroups", [1, 2])
+@pytest.mark.parametrize("variant", list(gb.VARIANTS))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
 @pytest.mark.parametrize("s", LENGTHS)
-def test_matches_float64_reference(s, heads, causal, d, warpgroups):
+def test_matches_float64_reference(s, heads, causal, d, variant):
     hq, hkv = heads
     b = 2 if s <= 129 else 1
-    _check(f"s={s} h={heads} causal={causal} d={d} wg={warpgroups}", *_inputs(b, s, s, hq, hkv, d), causal,
-           warpgroups=warpgroups)
+    _check(f"s={s} h={heads} causal={causal} d={d} {variant}", *_inputs(b, s, s, hq, hkv, d), causal,
+           variant=variant)
 
 
-@pytest.mark.parametrize("warpgroups", [1, 2])
+@pytest.mark.parametrize("variant", list(gb.VARIANTS))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, sk", [(17, 1000), (1000, 129), (700, 130), (129, 2049), (2049, 1000), (1, 17)])
-def test_sq_ne_sk_causal(sq, sk, d, warpgroups):
+def test_sq_ne_sk_causal(sq, sk, d, variant):
     """Causal aligned bottom-right; with Sq > Sk the first Sq - Sk queries see no key (lse -inf): their dQ is
     exactly 0 and they add nothing to dK / dV (no NaN)."""
     q, k, v, dout = _inputs(2, sq, sk, 8, 2, d, seed=1)
-    (dq, _, _), lse = _check(f"sq={sq} sk={sk} causal d={d} wg={warpgroups}", q, k, v, dout, True,
-                             warpgroups=warpgroups)
+    (dq, _, _), lse = _check(f"sq={sq} sk={sk} causal d={d} {variant}", q, k, v, dout, True, variant=variant)
     empty = (lse == float("-inf")).transpose(1, 2)  # [B, Sq, H]
     if empty.any():
         assert (dq[empty] == 0).all()
-    _check(f"sq={sq} sk={sk} full d={d} wg={warpgroups}", q, k, v, dout, False, warpgroups=warpgroups)
+    _check(f"sq={sq} sk={sk} full d={d} {variant}", q, k, v, dout, False, variant=variant)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
