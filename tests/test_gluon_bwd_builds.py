@@ -55,7 +55,7 @@ def test_offline_shared_estimate_and_blocks():
             assert set(cfg.block_m) == set(gb.HEAD_DIMS) and cfg.block_n % 64 == 0
     assert gb.kernel_args(64, True)[1] == dict(HEAD_DIM=64, CAUSAL=True, WARPGROUPS=1)
     assert gb.kernel_args(128, False, "wg2")[1] == dict(HEAD_DIM=128, CAUSAL=False, WARPGROUPS=2)
-    assert gb.kernel_args(128, False, "ws")[1] == dict(HEAD_DIM=128, CAUSAL=False)
+    assert gb.kernel_args(128, False, "ws")[1] == dict(HEAD_DIM=128, CAUSAL=False, STAGES=2)
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg3")
 

@@ -70,13 +70,15 @@ class Launch(NamedTuple):
     num_warps: int
     warp_specialized: bool
     block_m: dict = BLOCK_MS
+    stages: int = 2  # Q / dO ring slots
 
 
 # "default": one warpgroup per 64 keys, dQ by atomics from the compute warps; "wg2": the same kernel with two
 # warpgroups per 128 keys; "ws": warp-specialized, two consumer warpgroups per 128 keys and a loader / dQ-reducer
 # warpgroup (the consumers hand their partial dQ^T over through shared memory)
 VARIANTS = {"default": Launch(64, 4, False), "wg2": Launch(128, 8, False),
-            "ws": Launch(128, 4, True, {64: 32, 128: 32})}  # hd64 x 64 rows spilled at 232 registers
+            "ws": Launch(128, 4, True, {64: 32, 128: 32}),  # hd64 x 64 rows spilled at 232 registers
+            "ws3": Launch(128, 4, True, {64: 32, 128: 32}, 3)}
 DEFAULT_VARIANT = "default"
 
 
@@ -91,7 +93,7 @@ def shared_bytes(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
     barriers and layout conversions."""
     cfg = launch(variant)
     block_m = cfg.block_m[head_dim]
-    tiles = 2 * (2 * cfg.block_n * head_dim + 2 * 2 * block_m * head_dim + cfg.block_n * block_m)
+    tiles = 2 * (2 * cfg.block_n * head_dim + 2 * cfg.stages * block_m * head_dim + cfg.block_n * block_m)
     return tiles + (4 * 4 * head_dim * block_m if cfg.warp_specialized else 0) + 1024
 
 
@@ -280,7 +282,7 @@ if HAS_GLUON:
     def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full, dq_empty,
                      lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
                      num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations; per iteration
         its partial dQ^T (over its keys) goes to shared memory for the reducer instead of atomics."""
         ROWS: gl.constexpr = 64
@@ -312,11 +314,10 @@ if HAS_GLUON:
             h_next, mt_next = _next_tile(h, mt, m_start, m_end)
             lse2_next, delta_next = _row_stats(lse2_ptr, delta_ptr, b, h_next, mt_next * BLOCK_M, seq_q, num_heads,
                                                it + 1 < n_iters, BLOCK_M, col_layout)
-            slot = it % 2
-            phase = (it // 2) & 1
+            slot = it % STAGES
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
-            mbarrier.wait(ready.index(slot), phase)
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             rows = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
             visible = key_ok & gl.expand_dims(rows < seq_q, 0)
@@ -339,12 +340,13 @@ if HAS_GLUON:
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             # dQ_i^T (this warpgroup's part) = K^T . dS^T in 64-row pieces of the head dim, into shared memory once
             # the reducer has summed what this slot held two iterations ago
-            mbarrier.wait(dq_empty.index(slot), phase ^ 1)
+            dslot = it % 2
+            mbarrier.wait(dq_empty.index(dslot), ((it // 2) & 1) ^ 1)
             for c in gl.static_range(HEAD_DIM // 64):
                 dqt = warpgroup_mma(kT.slice(c * 64, 64, dim=0), ds_w, st_zero, use_acc=False, is_async=True)
                 dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
-                dq_smem.index(2 * slot + WG).slice(c * 64, 64, dim=0).store(dqt)
-            mbarrier.arrive(dq_full.index(slot), count=1)  # (Gluon syncs the warpgroup before an arrive)
+                dq_smem.index(2 * dslot + WG).slice(c * 64, 64, dim=0).store(dqt)
+            mbarrier.arrive(dq_full.index(dslot), count=1)  # (Gluon syncs the warpgroup before an arrive)
             lse2 = lse2_next
             delta = delta_next
             h = h_next
@@ -362,8 +364,9 @@ if HAS_GLUON:
     def _ws_loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                            ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
                            num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
-                           v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i one iteration ahead into a 2-slot ring) and the
+                           v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           STAGES: gl.constexpr):
+        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and the
         dQ reduction: iteration i's two partial dQ_i^T are summed from shared memory and atomically added to the
         fp32 dQ buffer, so that the consumers' registers never wait on atomics."""
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -371,21 +374,25 @@ if HAS_GLUON:
         _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
         h = h0  # of the iteration being reduced
         mt = m_start
-        h_ld = h0  # of the last iteration loaded
+        h_ld = h0  # of the iteration loaded last
         mt_ld = m_start
-        if n_iters > 0:
-            _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, b, h_ld, mt_ld * BLOCK_M, q_row_b, q_row_h,
-                      q_col_h, do_row_b, do_row_h, do_col_h)
+        for i in gl.static_range(STAGES - 1):  # the ring but one slot (fresh slots: no wait)
+            if i < n_iters:
+                if i > 0:
+                    h_ld, mt_ld = _next_tile(h_ld, mt_ld, m_start, m_end)
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, i, b, h_ld, mt_ld * BLOCK_M, q_row_b, q_row_h,
+                          q_col_h, do_row_b, do_row_h, do_col_h)
         # dQ^T pieces of 16 head-dim rows: 4 consecutive head-dim elements (16 contiguous bytes of dQ) a thread
         RED_ROWS: gl.constexpr = 16
         red_layout: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])
         for it in range(0, n_iters):
-            if it + 1 < n_iters:
+            nxt = it + STAGES - 1
+            if nxt < n_iters:
                 h_ld, mt_ld = _next_tile(h_ld, mt_ld, m_start, m_end)
-                nslot = (it + 1) % 2
-                mbarrier.wait(empty.index(nslot), (((it + 1) // 2) & 1) ^ 1)  # both consumers are done with it - 1
-                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, nslot, b, h_ld, mt_ld * BLOCK_M, q_row_b, q_row_h,
-                          q_col_h, do_row_b, do_row_h, do_col_h)
+                # both consumers are done with iteration nxt - STAGES (that slot's last user)
+                mbarrier.wait(empty.index(nxt % STAGES), ((nxt // STAGES) & 1) ^ 1)
+                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, b, h_ld, mt_ld * BLOCK_M, q_row_b,
+                          q_row_h, q_col_h, do_row_b, do_row_h, do_col_h)
             slot = it % 2
             mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
             queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, red_layout))
@@ -405,7 +412,7 @@ if HAS_GLUON:
                             seq_q, seq_k, num_heads, num_kv_heads, group,
                             q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                             do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """Warp-specialized: per CTA 128 keys of one (batch, kv-head), two consumer warpgroups of 64 keys each and a
         loader / dQ-reducer warpgroup (see `_ws_consumer`, `_ws_loader_reducer`)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -426,35 +433,39 @@ if HAS_GLUON:
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype))
         # [slot * 2 + consumer]: each consumer's partial dQ^T of the iteration in that slot
         dq_smem = gl.allocate_shared_memory(gl.float32, [4, HEAD_DIM, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float32))
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        for i in gl.static_range(2):
+        for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a Q / dO slot
+        for i in gl.static_range(2):
             mbarrier.init(dq_full.index(i), count=2)  # both consumers' partial dQ^T are in
             mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
         gl.warp_specialize([
             (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
                             dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
-                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, CAUSAL)),
+                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, CAUSAL,
+                            STAGES)),
             (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
                             dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
-                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, CAUSAL)),
+                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, CAUSAL,
+                            STAGES)),
             (_ws_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem,
                                   kv_ready, ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end,
                                   n_iters, seq_q, num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h,
-                                  v_row_b, v_row_h, v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M)),
+                                  v_row_b, v_row_h, v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M,
+                                  STAGES)),
         ], [4, 4], _WS_REGS)
 
 
@@ -462,7 +473,7 @@ def kernel_args(head_dim: int, causal: bool, variant: str = DEFAULT_VARIANT) -> 
     """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
     if cfg.warp_specialized:
-        return _attn_bwd_ws_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal))
+        return _attn_bwd_ws_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), WARPGROUPS=cfg.num_warps // 4)
 
 
