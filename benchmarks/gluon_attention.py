@@ -130,10 +130,7 @@ def bench(impls, head_dims, seqs, variants=False):
 
 
 def _bwd_name(variant):
-    """Column of a Gluon backward variant: "gluon" for the default, "gluon_<variant>" for the others."""
-    from hf_fastpath.kernels.gluon_attention_bwd import DEFAULT_VARIANT
-
-    return "gluon" if variant == DEFAULT_VARIANT else f"gluon_{variant}"
+    return f"gluon_{variant}"
 
 
 def bench_backward(head_dims, seqs, variants):
@@ -141,7 +138,7 @@ def bench_backward(head_dims, seqs, variants):
     (forward + backward) - forward through autograd. FLOPs = 2.5x the forward's."""
     from hf_fastpath.kernels.flash_attention import flash_attention_backward
     from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
-    from hf_fastpath.kernels.gluon_attention_bwd import gluon_attention_backward
+    from hf_fastpath.kernels.gluon_attention_bwd import DEFAULT_VARIANTS, gluon_attention_backward
 
     names = [_bwd_name(n) for n in variants]
 
@@ -163,7 +160,9 @@ def bench_backward(head_dims, seqs, variants):
             row["sdpa_cudnn"] = dict(ms=ms, tflops=fl / ms * 1e-9, fwd_bwd_ms=both["ms"])
         else:
             row["sdpa_cudnn"] = dict(error=both.get("error") or fwd.get("error"))
-        for name in names + ["triton"]:
+        if DEFAULT_VARIANTS[d] in variants:  # "gluon": what gluon_attention_backward runs by default
+            row["gluon"] = row[_bwd_name(DEFAULT_VARIANTS[d])]
+        for name in names + ["triton"] + (["gluon"] if "gluon" in row else []):
             if "ms" in row[name] and "ms" in row["sdpa_cudnn"]:
                 row[f"{name}_vs_cudnn"] = row["sdpa_cudnn"]["ms"] / row[name]["ms"]
         rows.append(row)
@@ -193,30 +192,36 @@ def plot(path, png):
     import matplotlib.pyplot as plt
 
     data = json.load(open(path))
-    rows = data["rows"]
+    backward = not data["rows"]  # a --skip-forward run: draw its backward rows
+    rows = data["backward"] if backward else data["rows"]
     combos = [(d, c) for d in sorted({r["head_dim"] for r in rows}) for c in (False, True)]
     fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4.2), squeeze=False)
     colors = {"gluon": "tab:red", "sdpa_cudnn": "tab:blue", "sdpa_flash": "tab:green", "triton": "tab:orange"}
+    if backward:  # every Gluon variant's column, the default ("gluon") drawn thicker
+        extra = sorted({k for r in rows for k in r if k.startswith("gluon_") and isinstance(r[k], dict)})
+        colors.update(zip(extra, ("tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive")))
     for ax, (d, c) in zip(axes.flat, combos):
         sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c]
         for name, col in colors.items():
             pts = [(r["seq"], r[name]["tflops"]) for r in sel if "tflops" in r.get(name, {})]
             if pts:
-                ax.plot(*zip(*pts), "o-", color=col, label=name)
+                ax.plot(*zip(*pts), "o-" if name != "gluon" else "o--", color=col, label=name,
+                        lw=2.5 if name == "gluon" else 1.2)
         for r in sel:
             if "gluon_vs_cudnn" in r:
                 ax.annotate(f"{r['gluon_vs_cudnn']:.2f}x", (r["seq"], r["gluon"]["tflops"]), fontsize=7,
                             textcoords="offset points", xytext=(0, 6), ha="center", color="tab:red")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"hd{d} {'causal' if c else 'full'} forward (label: gluon/cuDNN)")
+        ax.set_title(f"hd{d} {'causal' if c else 'full'} {'backward' if backward else 'forward'} "
+                     f"(label: gluon/cuDNN)")
         ax.set_xlabel("seq (16k tokens per batch)")
         ax.set_ylabel("TFLOP/s")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     meta = data["meta"]
-    fig.suptitle(f"Gluon FA3-style forward vs SDPA on {meta['gpu']}, bf16, torch {meta['torch']}, "
-                 f"triton {meta['triton']}")
+    fig.suptitle(f"Gluon FA3-style {'backward' if backward else 'forward'} vs SDPA on {meta['gpu']}, bf16, "
+                 f"torch {meta['torch']}, triton {meta['triton']}")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(png, dpi=80)
 

@@ -21,7 +21,7 @@ from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
 from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
 
 
-def build(head_dim, causal, dtype=torch.bfloat16, variant=gb.DEFAULT_VARIANT):
+def build(head_dim, causal, dtype, variant):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn, constexprs = gb.kernel_args(head_dim, causal, variant)
@@ -47,15 +47,13 @@ def build(head_dim, causal, dtype=torch.bfloat16, variant=gb.DEFAULT_VARIANT):
 
 
 def cases():
-    """(name, head dim, causal, dtype, variant): every head dim and mask in bf16 for each variant, and causal fp16
-    for the default."""
+    """(name, head dim, causal, dtype, variant): every head dim, mask and variant in bf16, and causal fp16."""
     for head_dim in gb.HEAD_DIMS:
-        for causal in (False, True):
-            for variant in gb.VARIANTS:
-                suffix = "" if variant == gb.DEFAULT_VARIANT else f" {variant}"
-                yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16{suffix}", head_dim, causal,
+        for variant in gb.VARIANTS:
+            for causal in (False, True):
+                yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant}", head_dim, causal,
                        torch.bfloat16, variant)
-        yield f"bwd hd{head_dim} causal fp16", head_dim, True, torch.float16, gb.DEFAULT_VARIANT
+            yield f"bwd hd{head_dim} causal fp16 {variant}", head_dim, True, torch.float16, variant
 
 
 def main():

@@ -20,9 +20,8 @@ def test_gluon_attention_backward_builds_for_sm90():
     builds = run_build_script("gluon_bwd_builds.py")
     failed = [b for b in builds if "error" in b]
     assert not failed, failed
-    variants = [""] + [f" {v}" for v in gb.VARIANTS if v != gb.DEFAULT_VARIANT]
-    assert {b["name"] for b in builds} == ({f"bwd hd{d} {mask} bf16{v}" for d in gb.HEAD_DIMS for mask in ("full", "causal")
-                                            for v in variants} | {f"bwd hd{d} causal fp16" for d in gb.HEAD_DIMS})
+    assert {b["name"] for b in builds} == {f"bwd hd{d} {kind} {v}" for d in gb.HEAD_DIMS for v in gb.VARIANTS
+                                           for kind in ("full bf16", "causal bf16", "causal fp16")}
     assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
     assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds  # the estimate must not undercount
     assert not [b for b in builds if b["spills"]], builds  # Triton-level (PTX local memory)
@@ -53,11 +52,11 @@ def test_offline_shared_estimate_and_blocks():
         for variant, cfg in gb.VARIANTS.items():
             assert gb.shared_bytes(d, variant) <= HOPPER_SHARED_BYTES
             assert set(cfg.block_m) == set(gb.HEAD_DIMS) and cfg.block_n % 64 == 0
-    assert gb.kernel_args(64, True)[1] == dict(HEAD_DIM=64, CAUSAL=True, WARPGROUPS=1)
-    assert gb.kernel_args(128, False, "wg2")[1] == dict(HEAD_DIM=128, CAUSAL=False, WARPGROUPS=2)
-    assert gb.kernel_args(128, False, "ws")[1] == dict(HEAD_DIM=128, CAUSAL=False, STAGES=2)
+    assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
+    assert gb.kernel_args(64, True, "atomic")[1] == dict(HEAD_DIM=64, CAUSAL=True)
+    assert gb.kernel_args(128, False, "ws")[1] == dict(HEAD_DIM=128, CAUSAL=False, STAGES=3)
     with pytest.raises(ValueError, match="variant must be one of"):
-        gb.launch("wg3")
+        gb.launch("wg2")
 
 
 @pytest.mark.parametrize("case, match", [

@@ -1,35 +1,44 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon, FlashAttention-3 style (issue 20).
 
-Status: GPU-verified on an H200 (session 12: 63 cases against float64, errors within 2x the Triton backward's)
-but slower: 0.61-0.77x our Triton backward, 0.44-0.64x cuDNN's (benchmarks/results/gluon_attention_variants.json,
-"backward"). Not dispatched: training keeps `flash_attention.flash_attention_backward`.
+Status (H200, session 14, benchmarks/results/gluon_attention_backward.json): every variant passes the GPU tests
+against float64 (tests/gpu/test_gluon_attention_bwd_gpu.py), but the best is still slower than our Triton backward
+(hd128 "ws": 0.77-0.92x) and cuDNN's (0.59-0.69x). Not dispatched: training keeps
+`flash_attention.flash_attention_backward`.
 
-Design as built (deliberately the simple first version):
+Both variants (`VARIANTS`; `DEFAULT_VARIANTS` picks by head dim) share:
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
   domain with -inf -> +inf so that rows with no visible key get P = 0);
-- main kernel `_attn_bwd_kernel`: one CTA = one 4-warp warpgroup (no warp specialization, no setmaxnreg) per
-  (BLOCK_N = 64 keys, batch x kv-head). K and V load once by TMA; the CTA loops over the query heads of its GQA
-  group and, per head, over the BLOCK_M-row query tiles that see its keys (causal: from the tile holding query
-  n0 - (Sk - Sq), bottom-right aligned). Q_i and dO_i come by TMA into a ring of STAGES = 2 slots, the next
-  tile's loads issued at the top of this tile (software pipelined, one mbarrier per slot, a CTA barrier first so
-  no warp still reads the slot). BLOCK_M is 64 at hd64 and 32 at hd128 (`BLOCK_MS`): dK and dV take 128 fp32
-  registers a thread at hd128, and 64-query tiles spilled under Triton 3.6's ptxas. Per tile (keys are M = 64):
+- per CTA a block of keys of one (batch, kv-head), K and V loaded once by TMA; the CTA loops over the query heads
+  of its GQA group and, per head, over the BLOCK_M-row query tiles that see its keys (causal: from the tile
+  holding query n0 - (Sk - Sq), bottom-right aligned); Q_i and dO_i come by TMA into a ring of slots; each
+  iteration's lse2 / delta are loaded one iteration ahead (ncu, session 14: their loads had been the top stall).
+  Per tile and warpgroup of 64 keys (the wgmma M):
     S^T  = K . Q_i^T                     wgmma, both from shared memory; waited
     P^T  = exp2(S^T * scale * log2e - lse2), masked (causal, key >= Sk, query >= Sq) to 0, kept in 16 bits
     dP^T = V . dO_i^T                    | issued together, dP^T first; dS^T is computed while dV runs
     dV  += P^T . dO_i                    | (P^T the register A operand)
     dS^T = P^T * (dP^T - delta_i)        (P^T read back from its 16-bit copy, as the dV operand sees it)
     dK  += dS^T . Q_i                    (dS^T the register A operand), and dS^T -> shared memory
-    dQ_i = dS . K (hd64: dS^T read transposed as A) or dQ_i^T = K^T . dS^T (hd128: M must be 64), in 64-column
-           pieces of the head dim, each atomically added (relaxed fp32) into a zeroed [B, Sq, Hq, D] buffer that
-           a torch op scales by softmax_scale and casts at the end.
-  Masking is branch-free (one select per element on every tile); queries past Sq get lse2 = +inf and delta 0,
-  so rows of the next sequence that a TMA box may read contribute nothing. dK is scaled by softmax_scale once,
-  and dK / dV are written once per CTA (plain masked stores).
+    dQ_i^T = K^T . dS^T                  in 64-row pieces of the head dim (hd64 "atomic": dQ_i = dS . K)
+  and dQ is accumulated in a zeroed fp32 [B, Sq, Hq, D] buffer (relaxed atomics) that a torch op scales by
+  softmax_scale and casts at the end. Masking is branch-free; queries past Sq get lse2 = +inf and delta 0, so rows
+  of the next sequence that a TMA box may read contribute nothing. dK / dV are written once per CTA.
+- "atomic" (`_attn_bwd_kernel`): one 4-warp warpgroup per 64 keys, no warp specialization; it issues the TMA loads
+  (2-slot ring, the next tile's at the top of this one) and the dQ atomics itself. BLOCK_M is 64 at hd64, 32 at
+  hd128 (`BLOCK_MS`: dK and dV take 128 fp32 registers a thread there). ncu (session 14, hd128 causal 4k): the
+  compute warps stall on the atomics' register reads (long scoreboard on the registers an atomic still reads).
+- "ws" (`_attn_bwd_ws_kernel`): warp-specialized, 128 keys per CTA: two consumer warpgroups (64 keys each, 248
+  registers by setmaxnreg) and a loader / dQ-reducer warpgroup (24 registers): it issues the TMA loads into a
+  3-slot ring and, per iteration, sums the two consumers' partial dQ_i^T from shared memory (two fp32 slots,
+  mbarriers dq_full / dq_empty) and adds them to the buffer by atomics, so no compute warp waits on an atomic.
+  32-row query tiles at both head dims (64 spilled under Triton 3.6 at hd64). With 2 ring slots (measured first)
+  the consumers waited for Q / dO: the loader issued the next load only after its reduction; 3 slots: +5-10%.
 Not deterministic (dQ's atomics), as FA3's default. dQ offsets are 32-bit per (batch, head): Sq * Hq * D < 2**31.
-Offline builds (tests/gluon_bwd_builds.py, 2026-12-02), Triton 3.9 / 3.6: shared 57368 B (hd64) and 69656 B
-(hd128); ptxas registers 191-196 / 206-237 (hd64) and 229-233 / 232-238 (hd128); no spills; wgmmas not serialized.
+Offline builds (tests/gluon_bwd_builds.py): no spills under Triton 3.6 and 3.9, wgmmas not serialized.
+Next (FA3's remaining differences): 64-row query tiles at hd128 (registers), the reducer reading dQ rows as
+16-byte vectors (it reads the transposed tile element by element), dQ by TMA reduce-add (not in Gluon 3.6).
 """
+
 
 from __future__ import annotations
 
@@ -53,7 +62,7 @@ if HAS_GLUON:
 
     from .gluon_attention import _barrier, _tma_load
 
-__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "VARIANTS", "DEFAULT_VARIANT",
+__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "VARIANTS", "DEFAULT_VARIANTS",
            "Launch", "launch"]
 
 BLOCK_MS = {64: 64, 128: 32}  # query rows per tile (the N of S^T, dP^T and dQ^T) per head dim: hd128 takes 32 so
@@ -64,33 +73,32 @@ WS_REGS = (248, 24)  # setmaxnreg of the second consumer and of the loader / dQ-
 
 
 class Launch(NamedTuple):
-    """How one variant launches: keys per CTA, warps, whether it is the warp-specialized kernel, and query rows
-    per tile by head dim."""
+    """How one variant launches: keys per CTA, warps, whether it is the warp-specialized kernel, query rows per
+    tile by head dim, and Q / dO ring slots."""
     block_n: int
     num_warps: int
     warp_specialized: bool
-    block_m: dict = BLOCK_MS
-    stages: int = 2  # Q / dO ring slots
+    block_m: dict
+    stages: int
 
 
-# "default": one warpgroup per 64 keys, dQ by atomics from the compute warps; "wg2": the same kernel with two
-# warpgroups per 128 keys; "ws": warp-specialized, two consumer warpgroups per 128 keys and a loader / dQ-reducer
-# warpgroup (the consumers hand their partial dQ^T over through shared memory)
-VARIANTS = {"default": Launch(64, 4, False), "wg2": Launch(128, 8, False),
-            "ws": Launch(128, 4, True, {64: 32, 128: 32}),  # hd64 x 64 rows spilled at 232 registers
-            "ws3": Launch(128, 4, True, {64: 32, 128: 32}, 3)}
-DEFAULT_VARIANT = "default"
+# "atomic": one warpgroup per 64 keys, which also adds its dQ into the fp32 buffer by atomics; "ws": warp-specialized,
+# two consumer warpgroups per 128 keys and a loader / dQ-reducer warpgroup (the consumers hand their partial dQ^T
+# over through shared memory). H200, session 14 (gluon_attention_backward.json): "ws" is 1.08-1.34x "atomic" at
+# hd128; at hd64 (where "ws" takes 32-row tiles: 64 spill under Triton 3.6) 0.95-1.04x.
+VARIANTS = {"atomic": Launch(64, 4, False, BLOCK_MS, 2), "ws": Launch(128, 4, True, {64: 32, 128: 32}, 3)}
+DEFAULT_VARIANTS = {64: "atomic", 128: "ws"}
 
 
-def launch(variant: str = DEFAULT_VARIANT) -> Launch:
+def launch(variant: str) -> Launch:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}; got {variant!r}")
     return VARIANTS[variant]
 
 
-def shared_bytes(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
-    """16-bit tiles of one CTA (K, V, the 2-slot Q/dO ring, dS^T; "ws": and 4 fp32 dQ^T buffers) plus 1 KB for
-    barriers and layout conversions."""
+def shared_bytes(head_dim: int, variant: str) -> int:
+    """16-bit tiles of one CTA (K, V, the Q/dO ring, dS^T; "ws": and 4 fp32 dQ^T buffers) plus 1 KB for barriers
+    and layout conversions."""
     cfg = launch(variant)
     block_m = cfg.block_m[head_dim]
     tiles = 2 * (2 * cfg.block_n * head_dim + 2 * cfg.stages * block_m * head_dim + cfg.block_n * block_m)
@@ -130,15 +138,14 @@ if HAS_GLUON:
                          seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WARPGROUPS: gl.constexpr):
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]  # 64 keys per warpgroup
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
-        # accumulators: keys are M for S^T / dP^T [BLOCK_N, BLOCK_M] and dK / dV [BLOCK_N, D]; with two
-        # warpgroups each owns 64 of the keys (a wgmma's M per warpgroup is 64)
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WARPGROUPS, 1],
+        # accumulators: keys are M for S^T / dP^T [BLOCK_N, BLOCK_M] and dK / dV [BLOCK_N, D]
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
-        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WARPGROUPS, 1],
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
@@ -189,11 +196,10 @@ if HAS_GLUON:
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         dq_rows_l: gl.constexpr = gl.SliceLayout(1, kv_layout)
         DQ_CHUNK: gl.constexpr = 64  # dQ's accumulator covers 64 columns of the head dim at a time (registers)
-        # dQ's (and dQ^T's) accumulators: with two warpgroups each computes half of the columns
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                            instr_shape=[16, DQ_CHUNK // WARPGROUPS, 16])
-        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                             instr_shape=[16, BLOCK_M // WARPGROUPS, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_CHUNK, 16])  # dQ's
+        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])  # dQ^T's
         mbarrier.wait(kv_ready, 0)
         kT = k_smem.permute((1, 0))
         for it in range(0, n_iters):
@@ -469,12 +475,12 @@ if HAS_GLUON:
         ], [4, 4], _WS_REGS)
 
 
-def kernel_args(head_dim: int, causal: bool, variant: str = DEFAULT_VARIANT) -> tuple:
+def kernel_args(head_dim: int, causal: bool, variant: str) -> tuple:
     """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
     if cfg.warp_specialized:
         return _attn_bwd_ws_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages)
-    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), WARPGROUPS=cfg.num_warps // 4)
+    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal))
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -509,14 +515,15 @@ def _offsets_fit(q: torch.Tensor) -> bool:
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                              softmax_scale: float | None = None,
-                             variant: str = DEFAULT_VARIANT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
     [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right.
-    `variant`: one of `VARIANTS`."""
+    `variant`: one of `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
     _check(dout, q, k, v, out, lse, softmax_scale)
+    variant = variant or DEFAULT_VARIANTS[q.shape[-1]]
     cfg = launch(variant)
     from .flash_attention import _bwd_preprocess, _strides4  # the plain-Triton preprocess (delta, lse2)
 
