@@ -508,7 +508,7 @@ def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: tor
     pays per linear: the launch skips Triton's argument binding (`LaunchCache`, ~50 µs on the H200's host).
     segments=(seg1, seg2): qweight / scales / zeros span up to three weights packed each on its own and stored back
     to back (`w4a16_matmul_concat`'s parts, columns [0, seg1), [seg1, seg2), [seg2, N); seg2 = N for two), each
-    a multiple of 128 columns wide; scales by TMA only. Written in session 13, NOT yet run on a GPU."""
+    a multiple of 128 columns wide; scales by TMA only. GPU-tested in session 14 (float64, a CUDA-graph dispatch)."""
     m, k = x2.shape
     n = qweight.shape[1]
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
