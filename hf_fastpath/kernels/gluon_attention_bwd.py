@@ -134,6 +134,41 @@ if HAS_GLUON:
         return h + last, (mt + 1) * (1 - last) + m_start * last
 
     @gluon.jit
+    def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, m0, seq_q, diag,
+                   qk_scale, CAUSAL: gl.constexpr):
+        """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
+        dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired."""
+        dtype: gl.constexpr = q_tile.dtype
+        st_layout: gl.constexpr = lse2.type.layout.parent
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+        KEYS: gl.constexpr = ds_smem.type.shape[0]
+        QUERIES: gl.constexpr = ds_smem.type.shape[1]
+        st_zero = gl.zeros([KEYS, QUERIES], gl.float32, st_layout)
+        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        rows = m0 + gl.arange(0, QUERIES, layout=lse2.type.layout)
+        visible = key_ok & gl.expand_dims(rows < seq_q, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
+        # dP^T is issued first so that it retires first: dS^T is computed while dV's wgmma runs. S^T and dP^T are
+        # never live together, and P^T stays only in 16 bits (hd128 fits the registers without spills)
+        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
+        dst16 = dst.to(dtype)
+        ds_smem.store(dst16)
+        dst16 = gl.convert_layout(dst16, a_layout)
+        dk = warpgroup_mma(dst16, q_tile, dk, is_async=True)
+        fence_async_shared()
+        _barrier()  # dS^T of every warp is in shared memory before the dQ wgmma reads it
+        # retire dV / dK (and free P^T, dS^T) before dQ's accumulator goes live: fewer registers at the peak
+        dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
+        return dk, dv
+
+    @gluon.jit
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                          seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
@@ -218,32 +253,8 @@ if HAS_GLUON:
             do_tile = do_smem.index(slot)
             mbarrier.wait(ready.index(slot), (it // 2) & 1)
 
-            st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-            st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-
-            rows = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            visible = key_ok & gl.expand_dims(rows < seq_q, 0)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
-
-            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-            pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
-            # dP^T is issued first so that it retires first: dS^T is computed while dV's wgmma runs. S^T and dP^T
-            # are never live together, and P^T stays only in 16 bits (hd128 fits 255 registers without spills)
-            dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-            dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
-
-            dst16 = dst.to(dtype)
-            ds_smem.store(dst16)
-            dst16 = gl.convert_layout(dst16, a_layout)
-            dk = warpgroup_mma(dst16, q_tile, dk, is_async=True)
-            fence_async_shared()
-            _barrier()  # dS^T of every warp is in shared memory before the dQ wgmma reads it
-            # retire dV / dK (and free P^T, dS^T) before dQ's accumulator goes live: fewer registers at the peak
-            dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
+            dk, dv = _dkdv_step(k_smem, v_smem, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, m0,
+                                seq_q, diag, qk_scale, CAUSAL)
             dq_base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
             if BLOCK_M < 64:
                 # dQ_i^T = K^T . dS^T (a wgmma's M is 64) in DQ_CHUNK-row pieces of the head dim, K^T read
@@ -324,25 +335,8 @@ if HAS_GLUON:
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            rows = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
-            visible = key_ok & gl.expand_dims(rows < seq_q, 0)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
-            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-            pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
-            dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-            dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
-            dst16 = dst.to(dtype)
-            ds_w.store(dst16)
-            dst16 = gl.convert_layout(dst16, a_layout)
-            dk = warpgroup_mma(dst16, q_tile, dk, is_async=True)
-            fence_async_shared()
-            _barrier()  # dS^T of all four warps is in shared memory before the dQ^T wgmma reads it
-            dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
+            dk, dv = _dkdv_step(k_w, v_w, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, mt * BLOCK_M,
+                                seq_q, diag, qk_scale, CAUSAL)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             # dQ_i^T (this warpgroup's part) = K^T . dS^T in 64-row pieces of the head dim, into shared memory once
             # the reducer has summed what this slot held two iterations ago
