@@ -21,6 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main():
@@ -35,6 +36,7 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    from ncu_w4a16 import profile_once  # benchmarks/ncu_w4a16.py
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
@@ -55,14 +57,7 @@ def main():
         "bwd": lambda: gluon_attention_backward(dout, q, k, v, out, lse, causal=args.causal, variant=args.variant),
         "cudnn_bwd": cudnn_bwd,
     }
-    call = calls[args.what]
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(calls[args.what])
     print(f"{args.what} {vars(args)}: profiled one call")
 
 

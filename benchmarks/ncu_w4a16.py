@@ -48,15 +48,19 @@ def main():
         "fused": lambda: _decode_matmul(x, qweight, scales, zeros, GROUP, x.new_empty(m, n)),
         "cublas": lambda: x @ dense,
     }
-    call = calls[args.kernel]
-    for _ in range(3):
+    profile_once(calls[args.kernel])
+    print(f"{args.kernel} M={m} K={k} N={n}: profiled one call")
+
+
+def profile_once(call, warmup=3):
+    """Warm-up calls (compilation), then one call between cudaProfilerStart / Stop (ncu --profile-from-start off)."""
+    for _ in range(warmup):
         call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"{args.kernel} M={m} K={k} N={n}: profiled one call")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,20 @@ if HAS_GLUON:
         return dk, dv
 
     @gluon.jit
+    def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, key0, seq_k, num_kv_heads, sm_scale):
+        """dK (scaled by softmax_scale) and dV of keys key0.. into [B, Sk, Hkv, D], rows past Sk masked."""
+        ROWS: gl.constexpr = dk.type.shape[0]
+        HEAD_DIM: gl.constexpr = dk.type.shape[1]
+        layout: gl.constexpr = dk.type.layout
+        d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        k_rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * HEAD_DIM
+        kv_mask = gl.expand_dims(k_rows < seq_k, 1)
+        kv_ptrs = gl.expand_dims(kv_off, 1) + gl.expand_dims(d_cols, 0)
+        gl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+    @gluon.jit
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                          seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
@@ -229,7 +243,6 @@ if HAS_GLUON:
         key_ok = gl.expand_dims(keys < seq_k, 1)
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-        dq_rows_l: gl.constexpr = gl.SliceLayout(1, kv_layout)
         DQ_CHUNK: gl.constexpr = 64  # dQ's accumulator covers 64 columns of the head dim at a time (registers)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_CHUNK, 16])  # dQ's
@@ -286,14 +299,7 @@ if HAS_GLUON:
             h = h_next
             mt = mt_next
 
-        d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-        k_rows = n0 + gl.arange(0, BLOCK_N, layout=dq_rows_l)
-        kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * HEAD_DIM
-        kv_mask = gl.expand_dims(k_rows < seq_k, 1)
-        kv_ptrs = gl.expand_dims(kv_off, 1) + gl.expand_dims(d_cols, 0)
-        gl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
-        gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
-
+        _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0, seq_k, num_kv_heads, sm_scale)
 
     @gluon.jit
     def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full, dq_empty,
@@ -352,13 +358,7 @@ if HAS_GLUON:
             h = h_next
             mt = mt_next
 
-        d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-        k_rows = n0 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
-        kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * HEAD_DIM
-        kv_mask = gl.expand_dims(k_rows < seq_k, 1)
-        kv_ptrs = gl.expand_dims(kv_off, 1) + gl.expand_dims(d_cols, 0)
-        gl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
-        gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0 + WG * ROWS, seq_k, num_kv_heads, sm_scale)
 
     @gluon.jit
     def _ws_loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
