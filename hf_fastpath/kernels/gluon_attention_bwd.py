@@ -127,6 +127,22 @@ if HAS_GLUON:
         return gl.load(lse2_ptr + off, mask=ok, other=float("inf")), gl.load(delta_ptr + off, mask=ok, other=0.0)
 
     @gluon.jit
+    def _key_block(seq_q, seq_k, num_kv_heads, group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+        """This CTA's work: keys n0.. of (batch b, kv-head hk), the query heads h0.. of its GQA group, and per head
+        the query tiles m_start..m_end-1 that see those keys -> (b, hk, h0, n0, m_start, m_end, iterations)."""
+        bh = gl.program_id(1)
+        b = bh // num_kv_heads
+        hk = bh % num_kv_heads
+        n0 = gl.program_id(0) * BLOCK_N
+        if CAUSAL:  # the first query that sees key n0 is n0 - (Sk - Sq), bottom-right aligned
+            m_start = gl.maximum(n0 - (seq_k - seq_q), 0) // BLOCK_M
+        else:
+            m_start = 0
+        m_end = gl.cdiv(seq_q, BLOCK_M)
+        return b, hk, hk * group, n0, m_start, m_end, gl.maximum(m_end - m_start, 0) * group
+
+    @gluon.jit
     def _next_tile(h, mt, m_start, m_end):
         """(query head, query tile) of the iteration after (h, mt): a head's tiles m_start..m_end-1 in order, then
         the next head of the GQA group (no integer division)."""
@@ -201,19 +217,9 @@ if HAS_GLUON:
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
 
-        pid_n = gl.program_id(0)
-        bh = gl.program_id(1)
-        b = bh // num_kv_heads
-        hk = bh % num_kv_heads
-        h0 = hk * group
-        n0 = pid_n * BLOCK_N
+        b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, BLOCK_N, BLOCK_M,
+                                                            CAUSAL)
         diag = seq_k - seq_q
-        if CAUSAL:  # the first query that sees key n0 is n0 - diag
-            m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
-        else:
-            m_start = 0
-        m_end = gl.cdiv(seq_q, BLOCK_M)
-        n_iters = gl.maximum(m_end - m_start, 0) * group
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -418,18 +424,8 @@ if HAS_GLUON:
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
-        pid_n = gl.program_id(0)
-        bh = gl.program_id(1)
-        b = bh // num_kv_heads
-        hk = bh % num_kv_heads
-        h0 = hk * group
-        n0 = pid_n * BLOCK_N
-        if CAUSAL:  # the first query that sees key n0 is n0 - (Sk - Sq)
-            m_start = gl.maximum(n0 - (seq_k - seq_q), 0) // BLOCK_M
-        else:
-            m_start = 0
-        m_end = gl.cdiv(seq_q, BLOCK_M)
-        n_iters = gl.maximum(m_end - m_start, 0) * group
+        b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, BLOCK_N, BLOCK_M,
+                                                            CAUSAL)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
