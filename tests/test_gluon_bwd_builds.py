@@ -54,7 +54,8 @@ def test_offline_shared_estimate_and_blocks():
             assert set(cfg.block_m) == set(gb.HEAD_DIMS) and cfg.block_n % 64 == 0
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
     assert gb.kernel_args(64, True, "atomic")[1] == dict(HEAD_DIM=64, CAUSAL=True)
-    assert gb.kernel_args(128, False, "ws")[1] == dict(HEAD_DIM=128, CAUSAL=False, STAGES=3)
+    assert gb.kernel_args(128, False, "ws")[1] == dict(HEAD_DIM=128, CAUSAL=False, STAGES=3, DQ_ROWS=False)
+    assert gb.kernel_args(128, True, "ws_rows")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=3, DQ_ROWS=True)
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg2")
 

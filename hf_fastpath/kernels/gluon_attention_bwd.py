@@ -35,8 +35,9 @@ Both variants (`VARIANTS`; `DEFAULT_VARIANTS` picks by head dim) share:
   the consumers waited for Q / dO: the loader issued the next load only after its reduction; 3 slots: +5-10%.
 Not deterministic (dQ's atomics), as FA3's default. dQ offsets are 32-bit per (batch, head): Sq * Hq * D < 2**31.
 Offline builds (tests/gluon_bwd_builds.py): no spills under Triton 3.6 and 3.9, wgmmas not serialized.
-Next (FA3's remaining differences): 64-row query tiles at hd128 (registers), the reducer reading dQ rows as
-16-byte vectors (it reads the transposed tile element by element), dQ by TMA reduce-add (not in Gluon 3.6).
+- "ws_rows": "ws" with the partial dQ stored untransposed for 16-byte reducer reads (opt-in, not yet run).
+Next (FA3's remaining differences): 64-row query tiles at hd128 (registers), dQ by TMA reduce-add (not in Gluon
+3.6), a producer apart from the reducer.
 """
 
 
@@ -80,13 +81,19 @@ class Launch(NamedTuple):
     warp_specialized: bool
     block_m: dict
     stages: int
+    dq_rows: bool = False  # "ws": partial dQ handed over untransposed (16-byte reads for the reducer)
 
 
 # "atomic": one warpgroup per 64 keys, which also adds its dQ into the fp32 buffer by atomics; "ws": warp-specialized,
 # two consumer warpgroups per 128 keys and a loader / dQ-reducer warpgroup (the consumers hand their partial dQ^T
 # over through shared memory). H200, session 14 (gluon_attention_backward.json): "ws" is 1.08-1.34x "atomic" at
-# hd128; at hd64 (where "ws" takes 32-row tiles: 64 spill under Triton 3.6) 0.95-1.04x.
-VARIANTS = {"atomic": Launch(64, 4, False, BLOCK_MS, 2), "ws": Launch(128, 4, True, {64: 32, 128: 32}, 3)}
+# hd128; at hd64 (where "ws" takes 32-row tiles: 64 spill under Triton 3.6) 0.95-1.04x. "ws_rows" (opt-in, written
+# in session 14 after the GPU time was spent, NOT yet run on a GPU): "ws" with each partial dQ handed over
+# untransposed, so that the reducer reads 16-byte vectors (16 LDS.128 instead of 64 LDS a thread and iteration) at
+# the price of scalar stores in the consumers (64 STS instead of 32 STS.64); ncu of "ws" showed the reducer busy
+# ~94% of its time, mostly waiting on its scalar shared-memory loads.
+VARIANTS = {"atomic": Launch(64, 4, False, BLOCK_MS, 2), "ws": Launch(128, 4, True, {64: 32, 128: 32}, 3),
+            "ws_rows": Launch(128, 4, True, {64: 32, 128: 32}, 3, True)}
 DEFAULT_VARIANTS = {64: "atomic", 128: "ws"}
 
 
@@ -311,7 +318,7 @@ if HAS_GLUON:
     def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full, dq_empty,
                      lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
                      num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_ROWS: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations; per iteration
         its partial dQ^T (over its keys) goes to shared memory for the reducer instead of atomics."""
         ROWS: gl.constexpr = 64
@@ -357,7 +364,10 @@ if HAS_GLUON:
             for c in gl.static_range(HEAD_DIM // 64):
                 dqt = warpgroup_mma(kT.slice(c * 64, 64, dim=0), ds_w, st_zero, use_acc=False, is_async=True)
                 dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
-                dq_smem.index(2 * dslot + WG).slice(c * 64, 64, dim=0).store(dqt)
+                if DQ_ROWS:  # stored as dQ (query rows, head dim contiguous): the reducer reads 16-byte vectors
+                    dq_smem.index(2 * dslot + WG).slice(c * 64, 64, dim=1).permute((1, 0)).store(dqt)
+                else:
+                    dq_smem.index(2 * dslot + WG).slice(c * 64, 64, dim=0).store(dqt)
             mbarrier.arrive(dq_full.index(dslot), count=1)  # (Gluon syncs the warpgroup before an arrive)
             lse2 = lse2_next
             delta = delta_next
@@ -371,7 +381,7 @@ if HAS_GLUON:
                            ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
                            num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
                            v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           STAGES: gl.constexpr):
+                           STAGES: gl.constexpr, DQ_ROWS: gl.constexpr):
         """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and the
         dQ reduction: iteration i's two partial dQ_i^T are summed from shared memory and atomically added to the
         fp32 dQ buffer, so that the consumers' registers never wait on atomics."""
@@ -388,9 +398,15 @@ if HAS_GLUON:
                     h_ld, mt_ld = _next_tile(h_ld, mt_ld, m_start, m_end)
                 _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, i, b, h_ld, mt_ld * BLOCK_M, q_row_b, q_row_h,
                           q_col_h, do_row_b, do_row_h, do_col_h)
-        # dQ^T pieces of 16 head-dim rows: 4 consecutive head-dim elements (16 contiguous bytes of dQ) a thread
+        # pieces of 16 head-dim elements by BLOCK_M queries, 4 consecutive head-dim elements (16 contiguous bytes of
+        # dQ: one vector atomic) a thread; DQ_ROWS: the tiles are stored [BLOCK_M, HEAD_DIM], else [HEAD_DIM, BLOCK_M]
         RED_ROWS: gl.constexpr = 16
-        red_layout: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])
+        if DQ_ROWS:
+            red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [queries, head dim]
+            q_dim: gl.constexpr = 0
+        else:
+            red_layout: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])  # [head dim, queries]
+            q_dim: gl.constexpr = 1
         for it in range(0, n_iters):
             nxt = it + STAGES - 1
             if nxt < n_iters:
@@ -401,15 +417,15 @@ if HAS_GLUON:
                           q_row_h, q_col_h, do_row_b, do_row_h, do_col_h)
             slot = it % 2
             mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
-            queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, red_layout))
-            q_off = gl.expand_dims(queries * (num_heads * HEAD_DIM), 0)  # int32, from (batch, head)'s base
-            q_mask = gl.expand_dims(queries < seq_q, 0)
+            queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1 - q_dim, red_layout))
+            q_off = gl.expand_dims(queries * (num_heads * HEAD_DIM), 1 - q_dim)  # int32, from (batch, head)'s base
+            q_mask = gl.expand_dims(queries < seq_q, 1 - q_dim)
             base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
             for r in gl.static_range(HEAD_DIM // RED_ROWS):
-                part0 = dq_smem.index(2 * slot).slice(r * RED_ROWS, RED_ROWS, dim=0).load(red_layout)
-                part1 = dq_smem.index(2 * slot + 1).slice(r * RED_ROWS, RED_ROWS, dim=0).load(red_layout)
-                d = r * RED_ROWS + gl.arange(0, RED_ROWS, layout=gl.SliceLayout(1, red_layout))
-                gl.atomic_add(base + q_off + gl.expand_dims(d, 1), part0 + part1, mask=q_mask, sem="relaxed")
+                part0 = dq_smem.index(2 * slot).slice(r * RED_ROWS, RED_ROWS, dim=1 - q_dim).load(red_layout)
+                part1 = dq_smem.index(2 * slot + 1).slice(r * RED_ROWS, RED_ROWS, dim=1 - q_dim).load(red_layout)
+                d = r * RED_ROWS + gl.arange(0, RED_ROWS, layout=gl.SliceLayout(q_dim, red_layout))
+                gl.atomic_add(base + q_off + gl.expand_dims(d, q_dim), part0 + part1, mask=q_mask, sem="relaxed")
             mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
             h, mt = _next_tile(h, mt, m_start, m_end)
 
@@ -418,7 +434,8 @@ if HAS_GLUON:
                             seq_q, seq_k, num_heads, num_kv_heads, group,
                             q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                             do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                            DQ_ROWS: gl.constexpr):
         """Warp-specialized: per CTA 128 keys of one (batch, kv-head), two consumer warpgroups of 64 keys each and a
         loader / dQ-reducer warpgroup (see `_ws_consumer`, `_ws_loader_reducer`)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -433,9 +450,13 @@ if HAS_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype))
-        # [slot * 2 + consumer]: each consumer's partial dQ^T of the iteration in that slot
-        dq_smem = gl.allocate_shared_memory(gl.float32, [4, HEAD_DIM, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float32))
+        # [slot * 2 + consumer]: each consumer's partial dQ^T of the iteration in that slot, or with DQ_ROWS dQ
+        if DQ_ROWS:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [4, HEAD_DIM, BLOCK_M],
+                                                gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float32))
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -452,16 +473,16 @@ if HAS_GLUON:
             (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
                             dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
                             seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, CAUSAL,
-                            STAGES)),
+                            STAGES, DQ_ROWS)),
             (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
                             dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
                             seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, CAUSAL,
-                            STAGES)),
+                            STAGES, DQ_ROWS)),
             (_ws_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem,
                                   kv_ready, ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end,
                                   n_iters, seq_q, num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h,
                                   v_row_b, v_row_h, v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M,
-                                  STAGES)),
+                                  STAGES, DQ_ROWS)),
         ], [4, 4], _WS_REGS)
 
 
@@ -469,7 +490,8 @@ def kernel_args(head_dim: int, causal: bool, variant: str) -> tuple:
     """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
     if cfg.warp_specialized:
-        return _attn_bwd_ws_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages)
+        return _attn_bwd_ws_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages,
+                                         DQ_ROWS=cfg.dq_rows)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal))
 
 
