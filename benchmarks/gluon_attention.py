@@ -7,7 +7,10 @@ FLOPs = 4*B*H*S^2*D, halved when causal.
     python benchmarks/gluon_attention.py --variants --json F   # also every opt-in variant (`variants()`)
     python benchmarks/gluon_attention.py --backward --json F   # also the Gluon backward vs Triton's and cuDNN's
     python benchmarks/gluon_attention.py --backward --skip-forward --json F   # the backward rows only
-    python benchmarks/gluon_attention.py --plot F   # no GPU needed: F (JSON) -> PNG beside it
+        (every variant of gluon_attention_bwd.VARIANTS as gluon_<variant>, `--bwd-variants` picks some; "gluon" is
+        the default per head dim; cuDNN's backward = its forward + backward through autograd - its forward)
+    python benchmarks/gluon_attention.py --plot F   # no GPU needed: F (JSON) -> PNG beside it (backward rows when
+        the file has no forward rows)
 """
 
 from __future__ import annotations
