@@ -182,7 +182,7 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
         Element (n, j, i) of the [64, 8, 16] nibble tensor is input 16 j + i, so the reshape to [64, 128] is the
         operand's own order (assert_trivial: no data moves)."""
         if PTX:
-            w = _planes_ptx(words, s, z, dtype, L3)
+            w = _planes_ptx(words, s, z, L3)
         else:
             shifts = 4 * gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
             shifts = gl.expand_dims(gl.expand_dims(shifts, 0), 2).to(gl.uint32)  # [1, 8, 1]
@@ -228,7 +228,7 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
                                              is_pure=True, pack=2)
 
     @gluon.jit
-    def _planes_ptx(words, s, z, dtype: gl.constexpr, L3: gl.constexpr):
+    def _planes_ptx(words, s, z, L3: gl.constexpr):
         """The PTX path of _dequant: ~2 instructions a weight (16-bit pairs) instead of ~6 (fp32, one at a time)."""
         p0, p1, p2, p3, p4, p5, p6, p7 = _unpack_ptx(words, s)
         # stack the planes on a new axis 1 (j = 4 a + 2 b + c): [64, 16] x 8 -> [64, 8, 16], register renaming
