@@ -43,7 +43,10 @@ def build(head_dim, causal, dtype, variant):
             sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, **(dict(maxnreg=gb.MAXNREG) if cfg.warp_specialized else {})))
+    options = dict(num_warps=cfg.num_warps)
+    if cfg.warp_specialized:  # its setmaxnreg partitions need the launch's register budget
+        options["maxnreg"] = gb.MAXNREG
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def cases():
@@ -65,7 +68,8 @@ def main():
             kernel = build(head_dim, causal, dtype, variant)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
-                                  shared_estimate=gb.shared_bytes(head_dim, variant), n_regs=getattr(kernel, "n_regs", None),
+                                  shared_estimate=gb.shared_bytes(head_dim, variant),
+                                  n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__,
                                   **ptxas_report(kernel))), flush=True)
             dump_asm(kernel, name)

@@ -219,7 +219,6 @@ if HAS_GLUON:
                                                             instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -322,12 +321,10 @@ if HAS_GLUON:
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations; per iteration
         its partial dQ^T (over its keys) goes to shared memory for the reducer instead of atomics."""
         ROWS: gl.constexpr = 64
-        dtype: gl.constexpr = q_smem.dtype
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])  # S^T, dP^T, dQ^T
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])  # dK, dV
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
         k_w = k_smem.slice(WG * ROWS, ROWS, dim=0)
