@@ -34,7 +34,7 @@ def build(head_dim, causal, dtype, variant):
         elif p.name in ("q_desc", "do_desc"):
             sig[p.name] = descriptor_type(dtype, [cfg.block_m[head_dim], head_dim])
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, [cfg.block_n, head_dim])
+            sig[p.name] = descriptor_type(dtype, [gb.BLOCK_N, head_dim])
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
@@ -43,10 +43,8 @@ def build(head_dim, causal, dtype, variant):
             sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
-    options = dict(num_warps=cfg.num_warps)
-    if cfg.warp_specialized:  # its setmaxnreg partitions need the launch's register budget
-        options["maxnreg"] = gb.MAXNREG
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    # the setmaxnreg partitions need the launch's register budget
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=gb.MAXNREG))
 
 
 def cases():

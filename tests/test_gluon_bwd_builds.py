@@ -47,15 +47,12 @@ def test_not_supported_off_gpu():
 
 
 def test_offline_shared_estimate_and_blocks():
-    assert set(gb.BLOCK_MS) == set(gb.HEAD_DIMS)
     for d in gb.HEAD_DIMS:
         for variant, cfg in gb.VARIANTS.items():
             assert gb.shared_bytes(d, variant) <= HOPPER_SHARED_BYTES
-            assert set(cfg.block_m) == set(gb.HEAD_DIMS) and cfg.block_n % 64 == 0
+            assert set(cfg.block_m) == set(cfg.stages) == set(gb.HEAD_DIMS)
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
-    assert gb.kernel_args(64, True, "atomic")[1] == dict(HEAD_DIM=64, CAUSAL=True)
-    assert gb.kernel_args(128, False, "ws")[1] == dict(HEAD_DIM=128, CAUSAL=False, STAGES=3, DQ_ROWS=False)
-    assert gb.kernel_args(128, True, "ws_rows")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=3, DQ_ROWS=True)
+    assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=3, DQ_SPLIT=True)
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg2")
 

@@ -63,38 +63,30 @@ if HAS_GLUON:
 
     from .gluon_attention import _barrier, _tma_load
 
-__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "BLOCK_MS", "VARIANTS", "DEFAULT_VARIANTS",
-           "Launch", "launch"]
+__all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "VARIANTS", "DEFAULT_VARIANTS",
+           "Launch", "launch", "BLOCK_N"]
 
-BLOCK_MS = {64: 64, 128: 32}  # query rows per tile (the N of S^T, dP^T and dQ^T) per head dim: hd128 takes 32 so
-#   that dK, dV (128 fp32 registers a thread) and the tile's S^T / dP^T fit 255 registers under Triton 3.6's ptxas
+BLOCK_N = 128  # keys per CTA: two consumer warpgroups of 64 (a wgmma's M)
 SHARED_LIMIT = 232448
-MAXNREG = 168  # warp-specialized: 3 warpgroups x 128 threads x 168 <= 64K registers, then moved by setmaxnreg
+MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers, then moved by setmaxnreg
 WS_REGS = (248, 24)  # setmaxnreg of the second consumer and of the loader / dQ-reducer warpgroup
 
 
 class Launch(NamedTuple):
-    """How one variant launches: keys per CTA, warps, whether it is the warp-specialized kernel, query rows per
-    tile by head dim, and Q / dO ring slots."""
-    block_n: int
-    num_warps: int
-    warp_specialized: bool
+    """One variant: query rows per tile and Q / dO ring slots, each by head dim, and how dQ_i is shared out."""
     block_m: dict
-    stages: int
-    dq_rows: bool = False  # "ws": partial dQ handed over untransposed (16-byte reads for the reducer)
+    stages: dict
+    dq_split: bool  # each consumer computes half of dQ_i's head dim over all keys (else dQ_i over its own keys)
 
 
-# "atomic": one warpgroup per 64 keys, which also adds its dQ into the fp32 buffer by atomics; "ws": warp-specialized,
-# two consumer warpgroups per 128 keys and a loader / dQ-reducer warpgroup (the consumers hand their partial dQ^T
-# over through shared memory). H200, session 14 (gluon_attention_backward.json): "ws" is 1.08-1.34x "atomic" at
-# hd128; at hd64 (where "ws" takes 32-row tiles: 64 spill under Triton 3.6) 0.95-1.04x. "ws_rows" (opt-in, written
-# in session 14 after the GPU time was spent, NOT yet run on a GPU): "ws" with each partial dQ handed over
-# untransposed, so that the reducer reads 16-byte vectors (16 LDS.128 instead of 64 LDS a thread and iteration) at
-# the price of scalar stores in the consumers (64 STS instead of 32 STS.64); ncu of "ws" showed the reducer busy
-# ~94% of its time, mostly waiting on its scalar shared-memory loads.
-VARIANTS = {"atomic": Launch(64, 4, False, BLOCK_MS, 2), "ws": Launch(128, 4, True, {64: 32, 128: 32}, 3),
-            "ws_rows": Launch(128, 4, True, {64: 32, 128: 32}, 3, True)}
-DEFAULT_VARIANTS = {64: "atomic", 128: "ws"}
+# H200, session 15 (gluon_attention_backward.json): "ws" (then "ws_rows") 1.03-1.15x session 14's transposed hand-over
+# and 1.05-1.48x the non-specialized "atomic" kernel at both head dims: both removed. "split" / "split64" (written in
+# session 15): dQ_i split by head dim between the consumers (FA3's layout), so the reducer adds one tile instead of
+# summing two; "split64" also takes 64-row query tiles.
+VARIANTS = {"ws": Launch({64: 32, 128: 32}, {64: 3, 128: 3}, False),
+            "split": Launch({64: 32, 128: 32}, {64: 3, 128: 3}, True),
+            "split64": Launch({64: 64, 128: 32}, {64: 3, 128: 3}, True)}
+DEFAULT_VARIANTS = {64: "ws", 128: "ws"}
 
 
 def launch(variant: str) -> Launch:
@@ -104,12 +96,13 @@ def launch(variant: str) -> Launch:
 
 
 def shared_bytes(head_dim: int, variant: str) -> int:
-    """16-bit tiles of one CTA (K, V, the Q/dO ring, dS^T; "ws": and 4 fp32 dQ^T buffers) plus 1 KB for barriers
+    """16-bit tiles of one CTA (K, V, the Q/dO ring, two dS^T tiles) and the fp32 dQ tiles, plus 1 KB for barriers
     and layout conversions."""
     cfg = launch(variant)
     block_m = cfg.block_m[head_dim]
-    tiles = 2 * (2 * cfg.block_n * head_dim + 2 * cfg.stages * block_m * head_dim + cfg.block_n * block_m)
-    return tiles + (4 * 4 * head_dim * block_m if cfg.warp_specialized else 0) + 1024
+    ds_rows = BLOCK_N if cfg.dq_split else 64
+    tiles = 2 * (2 * BLOCK_N * head_dim + 2 * cfg.stages[head_dim] * block_m * head_dim + 2 * ds_rows * block_m)
+    return tiles + (2 if cfg.dq_split else 4) * 4 * block_m * head_dim + 1024
 
 
 if HAS_GLUON:
@@ -206,120 +199,22 @@ if HAS_GLUON:
         gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
     @gluon.jit
-    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-                         seq_q, seq_k, num_heads, num_kv_heads, group,
-                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
-                         do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        dtype: gl.constexpr = q_desc.dtype
-        # accumulators: keys are M for S^T / dP^T [BLOCK_N, BLOCK_M] and dK / dV [BLOCK_N, D]
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
-        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
-        col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
-        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-
-        b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, BLOCK_N, BLOCK_M,
-                                                            CAUSAL)
-        diag = seq_k - seq_q
-
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_ready, count=1)
-        mbarrier.init(ready.index(0), count=1)
-        mbarrier.init(ready.index(1), count=1)
-
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
-        _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
-        # iteration it works on query head h and query tile mt (tiles of one head in order, then the next head);
-        # its Q / dO come into ring slot it % 2 during iteration it - 1, its lse2 / delta are loaded then too
-        h = h0
-        mt = m_start
-        if n_iters > 0:
-            _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, 0, b, h, mt * BLOCK_M, q_row_b, q_row_h, q_col_h,
-                      do_row_b, do_row_h, do_col_h)
-        lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, n_iters > 0, BLOCK_M,
-                                 col_layout)
-
-        keys = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
-        key_ok = gl.expand_dims(keys < seq_k, 1)
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-        DQ_CHUNK: gl.constexpr = 64  # dQ's accumulator covers 64 columns of the head dim at a time (registers)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_CHUNK, 16])  # dQ's
-        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_M, 16])  # dQ^T's
-        mbarrier.wait(kv_ready, 0)
-        kT = k_smem.permute((1, 0))
-        for it in range(0, n_iters):
-            # every warp is past iteration it - 1 (its wgmmas retired): its ring slot and dS^T may be reused
-            _barrier()
-            h_next, mt_next = _next_tile(h, mt, m_start, m_end)
-            more = it + 1 < n_iters
-            if more:
-                _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, (it + 1) % 2, b, h_next, mt_next * BLOCK_M,
-                          q_row_b, q_row_h, q_col_h, do_row_b, do_row_h, do_col_h)
-            lse2_next, delta_next = _row_stats(lse2_ptr, delta_ptr, b, h_next, mt_next * BLOCK_M, seq_q, num_heads,
-                                               more, BLOCK_M, col_layout)
-            slot = it % 2
-            m0 = mt * BLOCK_M
-            q_tile = q_smem.index(slot)
-            do_tile = do_smem.index(slot)
-            mbarrier.wait(ready.index(slot), (it // 2) & 1)
-
-            dk, dv = _dkdv_step(k_smem, v_smem, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, m0,
-                                seq_q, diag, qk_scale, CAUSAL)
-            dq_base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
-            if BLOCK_M < 64:
-                # dQ_i^T = K^T . dS^T (a wgmma's M is 64) in DQ_CHUNK-row pieces of the head dim, K^T read
-                # transposed from shared memory, dS^T as stored; each piece atomically added to the fp32 buffer
-                q_cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, dqt_layout))
-                dq_off = gl.expand_dims(q_cols * (num_heads * HEAD_DIM), 0)  # int32, from (batch, head)'s base
-                dq_mask = gl.expand_dims(q_cols < seq_q, 0)
-                for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
-                    dqt = warpgroup_mma(kT.slice(c * DQ_CHUNK, DQ_CHUNK, dim=0), ds_smem,
-                                        gl.zeros([DQ_CHUNK, BLOCK_M], gl.float32, dqt_layout), use_acc=False,
-                                        is_async=True)
-                    dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
-                    d_rows = c * DQ_CHUNK + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(1, dqt_layout))
-                    gl.atomic_add(dq_base + dq_off + gl.expand_dims(d_rows, 1), dqt, mask=dq_mask, sem="relaxed")
-            else:
-                # dQ_i = dS . K (dS^T read transposed from shared memory) in DQ_CHUNK-column pieces
-                q_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-                dq_off = gl.expand_dims(q_rows * (num_heads * HEAD_DIM), 1)
-                dq_mask = gl.expand_dims(q_rows < seq_q, 1)
-                for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
-                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1),
-                                       gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, dq_layout), use_acc=False,
-                                       is_async=True)
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                    d_cols = c * DQ_CHUNK + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
-                    gl.atomic_add(dq_base + dq_off + gl.expand_dims(d_cols, 0), dq, mask=dq_mask, sem="relaxed")
-            lse2 = lse2_next
-            delta = delta_next
-            h = h_next
-            mt = mt_next
-
-        _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0, seq_k, num_kv_heads, sm_scale)
+    def _dq_piece(kT, ds_all, dq_tile, c: gl.constexpr, acc_zero):
+        """Rows c*64.. of dQ_i^T = K^T . dS^T over all of the CTA's keys, stored untransposed into dq_tile [BLOCK_M,
+        D] (query rows, head dim contiguous: the reducer reads 16-byte vectors)."""
+        dqt = warpgroup_mma(kT.slice(c * 64, 64, dim=0), ds_all, acc_zero, use_acc=False, is_async=True)
+        dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
+        dq_tile.slice(c * 64, 64, dim=1).permute((1, 0)).store(dqt)
 
     @gluon.jit
-    def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full, dq_empty,
-                     lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
-                     num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_ROWS: gl.constexpr):
-        """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations; per iteration
-        its partial dQ^T (over its keys) goes to shared memory for the reducer instead of atomics."""
+    def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
+                  dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
+                  num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr):
+        """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations; per iteration its
+        share of dQ_i goes to shared memory for the reducer instead of atomics. DQ_SPLIT: once both warpgroups' dS^T
+        are in shared memory, each computes its half of dQ_i's head dim over all 128 keys (hd64: the warpgroup of
+        the iteration's parity computes all of it); else each computes dQ_i over its own 64 keys, a partial sum."""
         ROWS: gl.constexpr = 64
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])  # S^T, dP^T, dQ^T
@@ -329,8 +224,6 @@ if HAS_GLUON:
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
         k_w = k_smem.slice(WG * ROWS, ROWS, dim=0)
         v_w = v_smem.slice(WG * ROWS, ROWS, dim=0)
-        kT = k_w.permute((1, 0))
-        ds_w = ds_smem.index(WG)
         diag = seq_k - seq_q
         keys = n0 + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
         key_ok = gl.expand_dims(keys < seq_k, 1)
@@ -351,20 +244,31 @@ if HAS_GLUON:
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            if DQ_SPLIT:  # [keys of both warpgroups, queries], double-buffered: the other warpgroup reads it too
+                ds_all = ds_smem.index(it % 2)
+                ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
+            else:
+                ds_w = ds_smem.index(WG)
             dk, dv = _dkdv_step(k_w, v_w, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, mt * BLOCK_M,
                                 seq_q, diag, qk_scale, CAUSAL)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
-            # dQ_i^T (this warpgroup's part) = K^T . dS^T in 64-row pieces of the head dim, into shared memory once
-            # the reducer has summed what this slot held two iterations ago
             dslot = it % 2
+            if DQ_SPLIT:
+                # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after
+                # this barrier's next phase, which the other warpgroup completes only past this iteration's dQ
+                mbarrier.arrive(ds_ready, count=1)
+                mbarrier.wait(ds_ready, it & 1)
+            # into shared memory once the reducer has taken what this slot held two iterations ago
             mbarrier.wait(dq_empty.index(dslot), ((it // 2) & 1) ^ 1)
-            for c in gl.static_range(HEAD_DIM // 64):
-                dqt = warpgroup_mma(kT.slice(c * 64, 64, dim=0), ds_w, st_zero, use_acc=False, is_async=True)
-                dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
-                if DQ_ROWS:  # stored as dQ (query rows, head dim contiguous): the reducer reads 16-byte vectors
-                    dq_smem.index(2 * dslot + WG).slice(c * 64, 64, dim=1).permute((1, 0)).store(dqt)
-                else:
-                    dq_smem.index(2 * dslot + WG).slice(c * 64, 64, dim=0).store(dqt)
+            if DQ_SPLIT:
+                kT = k_smem.permute((1, 0))
+                if HEAD_DIM == 128:
+                    _dq_piece(kT, ds_all, dq_smem.index(dslot), WG, st_zero)
+                elif it % 2 == WG:
+                    _dq_piece(kT, ds_all, dq_smem.index(dslot), 0, st_zero)
+            else:
+                for c in gl.static_range(HEAD_DIM // 64):
+                    _dq_piece(k_w.permute((1, 0)), ds_w, dq_smem.index(2 * dslot + WG), c, st_zero)
             mbarrier.arrive(dq_full.index(dslot), count=1)  # (Gluon syncs the warpgroup before an arrive)
             lse2 = lse2_next
             delta = delta_next
@@ -374,14 +278,14 @@ if HAS_GLUON:
         _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0 + WG * ROWS, seq_k, num_kv_heads, sm_scale)
 
     @gluon.jit
-    def _ws_loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
-                           ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
-                           num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
-                           v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           STAGES: gl.constexpr, DQ_ROWS: gl.constexpr):
+    def _loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready, ready,
+                        empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, num_heads,
+                        q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
+                        do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr):
         """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and the
-        dQ reduction: iteration i's two partial dQ_i^T are summed from shared memory and atomically added to the
-        fp32 dQ buffer, so that the consumers' registers never wait on atomics."""
+        dQ reduction: iteration i's dQ_i (DQ_SPLIT: one tile; else the two consumers' partial sums, added here) is
+        atomically added to the fp32 dQ buffer, so that the consumers' registers never wait on atomics."""
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
         _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
@@ -395,15 +299,11 @@ if HAS_GLUON:
                     h_ld, mt_ld = _next_tile(h_ld, mt_ld, m_start, m_end)
                 _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, i, b, h_ld, mt_ld * BLOCK_M, q_row_b, q_row_h,
                           q_col_h, do_row_b, do_row_h, do_col_h)
-        # pieces of 16 head-dim elements by BLOCK_M queries, 4 consecutive head-dim elements (16 contiguous bytes of
-        # dQ: one vector atomic) a thread; DQ_ROWS: the tiles are stored [BLOCK_M, HEAD_DIM], else [HEAD_DIM, BLOCK_M]
-        RED_ROWS: gl.constexpr = 16
-        if DQ_ROWS:
-            red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [queries, head dim]
-            q_dim: gl.constexpr = 0
-        else:
-            red_layout: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])  # [head dim, queries]
-            q_dim: gl.constexpr = 1
+        # pieces of BLOCK_M queries by 16 head-dim elements, 4 consecutive head-dim elements (16 contiguous bytes of
+        # dQ: one vector load and one vector atomic) a thread
+        RED_COLS: gl.constexpr = 16
+        red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [queries, head dim]
+        PARTS: gl.constexpr = 1 if DQ_SPLIT else 2
         for it in range(0, n_iters):
             nxt = it + STAGES - 1
             if nxt < n_iters:
@@ -414,27 +314,28 @@ if HAS_GLUON:
                           q_row_h, q_col_h, do_row_b, do_row_h, do_col_h)
             slot = it % 2
             mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
-            queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1 - q_dim, red_layout))
-            q_off = gl.expand_dims(queries * (num_heads * HEAD_DIM), 1 - q_dim)  # int32, from (batch, head)'s base
-            q_mask = gl.expand_dims(queries < seq_q, 1 - q_dim)
+            queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, red_layout))
+            q_off = gl.expand_dims(queries * (num_heads * HEAD_DIM), 1)  # int32, from (batch, head)'s base
+            q_mask = gl.expand_dims(queries < seq_q, 1)
             base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
-            for r in gl.static_range(HEAD_DIM // RED_ROWS):
-                part0 = dq_smem.index(2 * slot).slice(r * RED_ROWS, RED_ROWS, dim=1 - q_dim).load(red_layout)
-                part1 = dq_smem.index(2 * slot + 1).slice(r * RED_ROWS, RED_ROWS, dim=1 - q_dim).load(red_layout)
-                d = r * RED_ROWS + gl.arange(0, RED_ROWS, layout=gl.SliceLayout(q_dim, red_layout))
-                gl.atomic_add(base + q_off + gl.expand_dims(d, q_dim), part0 + part1, mask=q_mask, sem="relaxed")
+            for r in gl.static_range(HEAD_DIM // RED_COLS):
+                dq = dq_smem.index(PARTS * slot).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
+                if PARTS == 2:
+                    dq += dq_smem.index(2 * slot + 1).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
+                d = r * RED_COLS + gl.arange(0, RED_COLS, layout=gl.SliceLayout(0, red_layout))
+                gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=q_mask, sem="relaxed")
             mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
             h, mt = _next_tile(h, mt, m_start, m_end)
 
     @gluon.jit
-    def _attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-                            seq_q, seq_k, num_heads, num_kv_heads, group,
-                            q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
-                            do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                            DQ_ROWS: gl.constexpr):
-        """Warp-specialized: per CTA 128 keys of one (batch, kv-head), two consumer warpgroups of 64 keys each and a
-        loader / dQ-reducer warpgroup (see `_ws_consumer`, `_ws_loader_reducer`)."""
+    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+                         seq_q, seq_k, num_heads, num_kv_heads, group,
+                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
+                         do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         DQ_SPLIT: gl.constexpr):
+        """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
+        dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
@@ -445,51 +346,48 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype))
-        # [slot * 2 + consumer]: each consumer's partial dQ^T of the iteration in that slot, or with DQ_ROWS dQ
-        if DQ_ROWS:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
-        else:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [4, HEAD_DIM, BLOCK_M],
-                                                gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float32))
+        # dS^T: DQ_SPLIT [iteration % 2, all keys, queries]; else [consumer, its keys, queries]
+        ds_rows: gl.constexpr = BLOCK_N if DQ_SPLIT else 64
+        ds_smem = gl.allocate_shared_memory(dtype, [2, ds_rows, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([ds_rows, BLOCK_M], dtype))
+        # fp32 dQ tiles [slot (* 2 + consumer), BLOCK_M, HEAD_DIM]: DQ_SPLIT one per slot, else each consumer's part
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 if DQ_SPLIT else 4, BLOCK_M, HEAD_DIM],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
+        mbarrier.init(ds_ready, count=2)  # DQ_SPLIT: both consumers' dS^T are in shared memory
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a Q / dO slot
         for i in gl.static_range(2):
-            mbarrier.init(dq_full.index(i), count=2)  # both consumers' partial dQ^T are in
+            mbarrier.init(dq_full.index(i), count=2)  # both consumers' dQ shares are in
             mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
         gl.warp_specialize([
-            (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
-                            dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
-                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, CAUSAL,
-                            STAGES, DQ_ROWS)),
-            (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, dq_full,
-                            dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters,
-                            seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, CAUSAL,
-                            STAGES, DQ_ROWS)),
-            (_ws_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem,
-                                  kv_ready, ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end,
-                                  n_iters, seq_q, num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h,
-                                  v_row_b, v_row_h, v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M,
-                                  STAGES, DQ_ROWS)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
+                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
+                         n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M,
+                         CAUSAL, STAGES, DQ_SPLIT)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
+                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
+                         n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M,
+                         CAUSAL, STAGES, DQ_SPLIT)),
+            (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
+                               ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
+                               num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
+                               v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M, STAGES, DQ_SPLIT)),
         ], [4, 4], _WS_REGS)
 
 
 def kernel_args(head_dim: int, causal: bool, variant: str) -> tuple:
     """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
-    if cfg.warp_specialized:
-        return _attn_bwd_ws_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages,
-                                         DQ_ROWS=cfg.dq_rows)
-    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal))
+    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
+                                  DQ_SPLIT=cfg.dq_split)
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -560,7 +458,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
     kernel, meta = kernel_args(D, bool(causal), variant)
-    qm_block, kn_block = [cfg.block_m[D], D], [cfg.block_n, D]
+    qm_block, kn_block = [cfg.block_m[D], D], [BLOCK_N, D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
     kn_layout = nvmma_layout(tuple(kn_block), elem)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), qm_block, qm_layout)
@@ -569,10 +467,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kn_block, kn_layout)
 
     dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(Sk, cfg.block_n), B * Hkv)
-    options = dict(num_warps=cfg.num_warps, maxnreg=MAXNREG) if cfg.warp_specialized else dict(num_warps=cfg.num_warps)
+    grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
     kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, Sq, Sk, Hq, Hkv, Hq // Hkv,
                  *q_map, *k_map, *v_map, *do_map, softmax_scale * LOG2E, softmax_scale, **meta,
-                 **options)
-    dq.copy_(dq_acc.mul_(softmax_scale))
+                 num_warps=4, maxnreg=MAXNREG)
+    torch.mul(dq_acc, softmax_scale, out=dq)  # one pass: scaled and cast
     return dq, dk, dv
