@@ -69,24 +69,23 @@ __all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "VARIANTS", "DE
 BLOCK_N = 128  # keys per CTA: two consumer warpgroups of 64 (a wgmma's M)
 SHARED_LIMIT = 232448
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers, then moved by setmaxnreg
-WS_REGS = (248, 24)  # setmaxnreg of the second consumer and of the loader / dQ-reducer warpgroup
+WS_REGS = (240, 24)  # setmaxnreg of the second consumer and of the loader / dQ-reducer warpgroup
 
 
 class Launch(NamedTuple):
-    """One variant: query rows per tile and Q / dO ring slots, each by head dim, and how dQ_i is shared out."""
+    """One variant: query rows per tile and Q / dO ring slots, each by head dim."""
     block_m: dict
     stages: dict
-    dq_split: bool  # each consumer computes half of dQ_i's head dim over all keys (else dQ_i over its own keys)
 
 
-# H200, session 15 (gluon_attention_backward.json): "ws" (then "ws_rows") 1.03-1.15x session 14's transposed hand-over
-# and 1.05-1.48x the non-specialized "atomic" kernel at both head dims: both removed. "split" / "split64" (written in
-# session 15): dQ_i split by head dim between the consumers (FA3's layout), so the reducer adds one tile instead of
-# summing two; "split64" also takes 64-row query tiles.
-VARIANTS = {"ws": Launch({64: 32, 128: 32}, {64: 3, 128: 3}, False),
-            "split": Launch({64: 32, 128: 32}, {64: 3, 128: 3}, True),
-            "split64": Launch({64: 64, 128: 32}, {64: 3, 128: 3}, True)}
-DEFAULT_VARIANTS = {64: "ws", 128: "ws"}
+# H200, session 15 (gluon_attention_backward.json and docs/attention.md): the dQ hand-over untransposed (16-byte
+# reducer reads), dQ_i split by head dim between the two consumers (one tile for the reducer, not two partial sums
+# to add) and 64-row query tiles at hd128 (registers freed by folding lse2 and delta into the wgmma accumulators and
+# by keeping the prefetched lse2 / delta one register each): 1.26-1.46x session 14's best. The variants it beat
+# ("atomic": no warp specialization, dQ by atomics from the compute warps; "ws": 32-row tiles, each consumer's
+# partial dQ^T summed by the reducer) are gone; this table stays for the next experiments.
+VARIANTS = {"split": Launch({64: 64, 128: 64}, {64: 3, 128: 2})}
+DEFAULT_VARIANTS = {64: "split", 128: "split"}
 
 
 def launch(variant: str) -> Launch:
@@ -96,13 +95,12 @@ def launch(variant: str) -> Launch:
 
 
 def shared_bytes(head_dim: int, variant: str) -> int:
-    """16-bit tiles of one CTA (K, V, the Q/dO ring, two dS^T tiles) and the fp32 dQ tiles, plus 1 KB for barriers
-    and layout conversions."""
+    """16-bit tiles of one CTA (K, V, the Q/dO ring, two dS^T tiles of all its keys) and two fp32 dQ tiles, plus 1 KB
+    for barriers and layout conversions."""
     cfg = launch(variant)
     block_m = cfg.block_m[head_dim]
-    ds_rows = BLOCK_N if cfg.dq_split else 64
-    tiles = 2 * (2 * BLOCK_N * head_dim + 2 * cfg.stages[head_dim] * block_m * head_dim + 2 * ds_rows * block_m)
-    return tiles + (2 if cfg.dq_split else 4) * 4 * block_m * head_dim + 1024
+    tiles = 2 * (2 * BLOCK_N * head_dim + 2 * cfg.stages[head_dim] * block_m * head_dim + 2 * BLOCK_N * block_m)
+    return tiles + 2 * 4 * block_m * head_dim + 1024
 
 
 if HAS_GLUON:
@@ -151,29 +149,34 @@ if HAS_GLUON:
 
     @gluon.jit
     def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, m0, seq_q, diag,
-                   qk_scale, CAUSAL: gl.constexpr):
+                   qk_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr):
         """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
         dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired."""
         dtype: gl.constexpr = q_tile.dtype
-        st_layout: gl.constexpr = lse2.type.layout.parent
+        col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         KEYS: gl.constexpr = ds_smem.type.shape[0]
         QUERIES: gl.constexpr = ds_smem.type.shape[1]
         st_zero = gl.zeros([KEYS, QUERIES], gl.float32, st_layout)
-        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        rows = m0 + gl.arange(0, QUERIES, layout=lse2.type.layout)
+        # the accumulator starts at -lse2 / qk_scale (rows with no visible key: -inf), so P^T = exp2(acc * qk_scale)
+        lse2 = gl.convert_layout(lse2, col_layout)  # from the compact layout, only now: fewer live registers
+        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero - gl.expand_dims(lse2 * (1.0 / qk_scale), 0),
+                           is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        rows = m0 + gl.arange(0, QUERIES, layout=col_layout)
         visible = key_ok & gl.expand_dims(rows < seq_q, 0)
         if CAUSAL:
             visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        pt = gl.exp2(st * qk_scale)
         pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
         # dP^T is issued first so that it retires first: dS^T is computed while dV's wgmma runs. S^T and dP^T are
         # never live together, and P^T stays only in 16 bits (hd128 fits the registers without spills)
-        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        # the accumulator starts at -delta: dP^T - delta comes out of the wgmma (delta is not live at the peak)
+        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
+                            st_zero - gl.expand_dims(gl.convert_layout(delta, col_layout), 0), is_async=True)
         dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-        dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * (dpt - gl.expand_dims(delta, 0))
+        dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * dpt
         dst16 = dst.to(dtype)
         ds_smem.store(dst16)
         dst16 = gl.convert_layout(dst16, a_layout)
@@ -199,10 +202,11 @@ if HAS_GLUON:
         gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
     @gluon.jit
-    def _dq_piece(kT, ds_all, dq_tile, c: gl.constexpr, acc_zero):
+    def _dq_piece(kT, ds_all, dq_tile, c: gl.constexpr, layout: gl.constexpr, BLOCK_M: gl.constexpr):
         """Rows c*64.. of dQ_i^T = K^T . dS^T over all of the CTA's keys, stored untransposed into dq_tile [BLOCK_M,
         D] (query rows, head dim contiguous: the reducer reads 16-byte vectors)."""
-        dqt = warpgroup_mma(kT.slice(c * 64, 64, dim=0), ds_all, acc_zero, use_acc=False, is_async=True)
+        acc = gl.zeros([64, BLOCK_M], gl.float32, layout)  # made here: not live across the loop
+        dqt = warpgroup_mma(kT.slice(c * 64, 64, dim=0), ds_all, acc, use_acc=False, is_async=True)
         dqt = warpgroup_mma_wait(num_outstanding=0, deps=(dqt, ))
         dq_tile.slice(c * 64, 64, dim=1).permute((1, 0)).store(dqt)
 
@@ -210,18 +214,20 @@ if HAS_GLUON:
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
                   dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
                   num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr):
-        """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations; per iteration its
-        share of dQ_i goes to shared memory for the reducer instead of atomics. DQ_SPLIT: once both warpgroups' dS^T
-        are in shared memory, each computes its half of dQ_i's head dim over all 128 keys (hd64: the warpgroup of
-        the iteration's parity computes all of it); else each computes dQ_i over its own 64 keys, a partial sum."""
+                  BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
+        both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
+        split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
+        iteration's parity), so that no partial sums need adding and no compute warp waits on an atomic."""
         ROWS: gl.constexpr = 64
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])  # S^T, dP^T, dQ^T
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])  # dK, dV
-        col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # along queries
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
+        # lse2 / delta (this and the next iteration's) wait in a compact layout: a register each instead of
+        # BLOCK_M / 4; `_dkdv_step` spreads them over S^T's columns only when it needs them
+        row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         k_w = k_smem.slice(WG * ROWS, ROWS, dim=0)
         v_w = v_smem.slice(WG * ROWS, ROWS, dim=0)
         diag = seq_k - seq_q
@@ -229,46 +235,38 @@ if HAS_GLUON:
         key_ok = gl.expand_dims(keys < seq_k, 1)
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
-        st_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout)
         h = h0
         mt = m_start
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, n_iters > 0, BLOCK_M,
-                                 col_layout)
+                                 row_layout)
         mbarrier.wait(kv_ready, 0)
         for it in range(0, n_iters):
-            _barrier()  # this warpgroup's warps are past iteration it - 1: dS^T may be overwritten
+            # dS^T slot it % 2 was last read by iteration it - 2's wgmmas: every warp of this warpgroup is past them
+            # (they met at iteration it - 1's barrier in `_dkdv_step`), the other warpgroup too (ds_ready, it - 1)
             h_next, mt_next = _next_tile(h, mt, m_start, m_end)
             lse2_next, delta_next = _row_stats(lse2_ptr, delta_ptr, b, h_next, mt_next * BLOCK_M, seq_q, num_heads,
-                                               it + 1 < n_iters, BLOCK_M, col_layout)
+                                               it + 1 < n_iters, BLOCK_M, row_layout)
             slot = it % STAGES
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            if DQ_SPLIT:  # [keys of both warpgroups, queries], double-buffered: the other warpgroup reads it too
-                ds_all = ds_smem.index(it % 2)
-                ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
-            else:
-                ds_w = ds_smem.index(WG)
+            ds_all = ds_smem.index(it % 2)  # [keys of both warpgroups, queries]: the other warpgroup reads it too
+            ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
             dk, dv = _dkdv_step(k_w, v_w, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, mt * BLOCK_M,
-                                seq_q, diag, qk_scale, CAUSAL)
+                                seq_q, diag, qk_scale, st_layout, CAUSAL)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             dslot = it % 2
-            if DQ_SPLIT:
-                # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after
-                # this barrier's next phase, which the other warpgroup completes only past this iteration's dQ
-                mbarrier.arrive(ds_ready, count=1)
-                mbarrier.wait(ds_ready, it & 1)
+            # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after this
+            # barrier's next phase, which the other warpgroup completes only past this iteration's dQ wgmma
+            mbarrier.arrive(ds_ready, count=1)
+            mbarrier.wait(ds_ready, it & 1)
             # into shared memory once the reducer has taken what this slot held two iterations ago
             mbarrier.wait(dq_empty.index(dslot), ((it // 2) & 1) ^ 1)
-            if DQ_SPLIT:
-                kT = k_smem.permute((1, 0))
-                if HEAD_DIM == 128:
-                    _dq_piece(kT, ds_all, dq_smem.index(dslot), WG, st_zero)
-                elif it % 2 == WG:
-                    _dq_piece(kT, ds_all, dq_smem.index(dslot), 0, st_zero)
-            else:
-                for c in gl.static_range(HEAD_DIM // 64):
-                    _dq_piece(k_w.permute((1, 0)), ds_w, dq_smem.index(2 * dslot + WG), c, st_zero)
+            kT = k_smem.permute((1, 0))
+            if HEAD_DIM == 128:
+                _dq_piece(kT, ds_all, dq_smem.index(dslot), WG, st_layout, BLOCK_M)
+            elif it % 2 == WG:
+                _dq_piece(kT, ds_all, dq_smem.index(dslot), 0, st_layout, BLOCK_M)
             mbarrier.arrive(dq_full.index(dslot), count=1)  # (Gluon syncs the warpgroup before an arrive)
             lse2 = lse2_next
             delta = delta_next
@@ -282,10 +280,9 @@ if HAS_GLUON:
                         empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, num_heads,
                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                         do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                        STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr):
+                        STAGES: gl.constexpr):
         """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and the
-        dQ reduction: iteration i's dQ_i (DQ_SPLIT: one tile; else the two consumers' partial sums, added here) is
-        atomically added to the fp32 dQ buffer, so that the consumers' registers never wait on atomics."""
+        dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer."""
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
         _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
@@ -303,7 +300,6 @@ if HAS_GLUON:
         # dQ: one vector load and one vector atomic) a thread
         RED_COLS: gl.constexpr = 16
         red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [queries, head dim]
-        PARTS: gl.constexpr = 1 if DQ_SPLIT else 2
         for it in range(0, n_iters):
             nxt = it + STAGES - 1
             if nxt < n_iters:
@@ -319,9 +315,7 @@ if HAS_GLUON:
             q_mask = gl.expand_dims(queries < seq_q, 1)
             base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
             for r in gl.static_range(HEAD_DIM // RED_COLS):
-                dq = dq_smem.index(PARTS * slot).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
-                if PARTS == 2:
-                    dq += dq_smem.index(2 * slot + 1).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
+                dq = dq_smem.index(slot).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
                 d = r * RED_COLS + gl.arange(0, RED_COLS, layout=gl.SliceLayout(0, red_layout))
                 gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=q_mask, sem="relaxed")
             mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
@@ -332,8 +326,7 @@ if HAS_GLUON:
                          seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         DQ_SPLIT: gl.constexpr):
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
         dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -346,12 +339,10 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        # dS^T: DQ_SPLIT [iteration % 2, all keys, queries]; else [consumer, its keys, queries]
-        ds_rows: gl.constexpr = BLOCK_N if DQ_SPLIT else 64
-        ds_smem = gl.allocate_shared_memory(dtype, [2, ds_rows, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([ds_rows, BLOCK_M], dtype))
-        # fp32 dQ tiles [slot (* 2 + consumer), BLOCK_M, HEAD_DIM]: DQ_SPLIT one per slot, else each consumer's part
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 if DQ_SPLIT else 4, BLOCK_M, HEAD_DIM],
+        # dS^T [iteration % 2, all keys, queries] and dQ_i in fp32 [iteration % 2, queries, head dim]
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -360,34 +351,33 @@ if HAS_GLUON:
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        mbarrier.init(ds_ready, count=2)  # DQ_SPLIT: both consumers' dS^T are in shared memory
+        mbarrier.init(ds_ready, count=2)  # both consumers' dS^T are in shared memory
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a Q / dO slot
         for i in gl.static_range(2):
-            mbarrier.init(dq_full.index(i), count=2)  # both consumers' dQ shares are in
+            mbarrier.init(dq_full.index(i), count=2)  # both consumers' dQ_i shares are in
             mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
                          n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M,
-                         CAUSAL, STAGES, DQ_SPLIT)),
+                         CAUSAL, STAGES)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
                          n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M,
-                         CAUSAL, STAGES, DQ_SPLIT)),
+                         CAUSAL, STAGES)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                                ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
                                num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
-                               v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M, STAGES, DQ_SPLIT)),
+                               v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M, STAGES)),
         ], [4, 4], _WS_REGS)
 
 
 def kernel_args(head_dim: int, causal: bool, variant: str) -> tuple:
     """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
-    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
-                                  DQ_SPLIT=cfg.dq_split)
+    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim])
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:

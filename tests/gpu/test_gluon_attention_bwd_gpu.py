@@ -24,8 +24,10 @@ def _inputs(*args, **kwargs):
     return attention_inputs(*args, **kwargs, dout=True)  # q, k, v, dout
 
 
-def _rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+def _rel(x, ref, scale=0.0):
+    """Relative error, in units of at least 1e-3 * scale: a gradient that is zero in exact arithmetic (one key: dS = 0,
+    so dQ = dK = 0) is then compared by its rounding noise against the gradients' scale, not against 0."""
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-3 * float(scale)).clamp_min(1e-30)).item()
 
 
 def _check(name, q, k, v, dout, causal, floor=2e-3, variant=None):
@@ -36,10 +38,11 @@ def _check(name, q, k, v, dout, causal, floor=2e-3, variant=None):
     got = gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=causal, variant=variant)
     yard = flash_attention_backward(dout, q, k, v, out, lse, causal=causal)
     errs = {}
+    scale = ref[2].norm()  # dV's: P^T . dO, never 0 here
     for gname, x, y, r, like in zip(("dq", "dk", "dv"), got, yard, ref, (q, k, v)):
         assert x.shape == like.shape and x.dtype == like.dtype, gname
         assert torch.isfinite(x).all(), f"{name}: {gname} has NaN/inf"
-        errs[gname] = (_rel(x, r), _rel(y, r))
+        errs[gname] = (_rel(x, r, scale), _rel(y, r, scale))
     REPORT.append(dict(case=name, **{f"{g}_rel": e[0] for g, e in errs.items()},
                        **{f"{g}_rel_triton": e[1] for g, e in errs.items()}))
     for gname, (e, e_triton) in errs.items():
