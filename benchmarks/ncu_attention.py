@@ -3,7 +3,7 @@ Gluon backward came from it; docs/attention.md):
 
   ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
       --section SourceCounters --import-source yes -o /tmp/attn -f \\
-      python benchmarks/ncu_attention.py --what bwd --variant ws --b 4 --s 4096 --h 16 --d 128 --causal
+      python benchmarks/ncu_attention.py --what bwd --b 4 --s 4096 --h 16 --d 128 --causal
   ncu -i /tmp/attn.ncu-rep --page details --csv > details.csv
   ncu -i /tmp/attn.ncu-rep --page source --csv --print-source sass > sass.csv   # stall samples per instruction
 

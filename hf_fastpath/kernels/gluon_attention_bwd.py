@@ -1,43 +1,35 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon, FlashAttention-3 style (issue 20).
 
-Status (H200, session 14, benchmarks/results/gluon_attention_backward.json): every variant passes the GPU tests
-against float64 (tests/gpu/test_gluon_attention_bwd_gpu.py), but the best is still slower than our Triton backward
-(hd128 "ws": 0.77-0.92x) and cuDNN's (0.59-0.69x). Not dispatched: training keeps
-`flash_attention.flash_attention_backward`.
+Status (H200, session 15, benchmarks/results/gluon_attention_backward.json): passes the GPU tests against float64
+(tests/gpu/test_gluon_attention_bwd_gpu.py); 1.00-1.18x our Triton backward except hd64 causal 1k-8k (0.87-0.94x)
+and hd64 full 1k (0.95x), and 0.79-0.91x cuDNN's. Not dispatched: plain training runs cuDNN through SDPA (faster), and
+what SDPA cannot take (packed, window, soft-cap) this kernel cannot either.
 
-Both variants (`VARIANTS`; `DEFAULT_VARIANTS` picks by head dim) share:
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
   domain with -inf -> +inf so that rows with no visible key get P = 0);
-- per CTA a block of keys of one (batch, kv-head), K and V loaded once by TMA; the CTA loops over the query heads
-  of its GQA group and, per head, over the BLOCK_M-row query tiles that see its keys (causal: from the tile
-  holding query n0 - (Sk - Sq), bottom-right aligned); Q_i and dO_i come by TMA into a ring of slots; each
-  iteration's lse2 / delta are loaded one iteration ahead (ncu, session 14: their loads had been the top stall).
-  Per tile and warpgroup of 64 keys (the wgmma M):
-    S^T  = K . Q_i^T                     wgmma, both from shared memory; waited
-    P^T  = exp2(S^T * scale * log2e - lse2), masked (causal, key >= Sk, query >= Sq) to 0, kept in 16 bits
-    dP^T = V . dO_i^T                    | issued together, dP^T first; dS^T is computed while dV runs
-    dV  += P^T . dO_i                    | (P^T the register A operand)
+- per CTA 128 keys of one (batch, kv-head), K and V loaded once by TMA; the CTA loops over the query heads of its
+  GQA group and, per head, over the 64-row query tiles that see its keys (causal: from the tile holding query
+  n0 - (Sk - Sq), bottom-right aligned). Warp-specialized: two consumer warpgroups (64 keys each, 240 registers
+  by setmaxnreg) and a loader / dQ-reducer warpgroup (24 registers) that issues the TMA loads of Q_i / dO_i into
+  a ring and adds each iteration's dQ_i tile into a zeroed fp32 [B, Sq, Hq, D] buffer (relaxed 16-byte atomics),
+  which one torch op scales by softmax_scale and casts at the end. Per tile, each consumer:
+    S^T  = K . Q_i^T                     wgmma from shared memory, its accumulator started at -lse2 / (scale *
+                                         log2e) (no lse2 registers live past it); waited
+    P^T  = exp2(S^T * scale * log2e), masked (causal, key >= Sk, query >= Sq) to 0, kept in 16 bits
+    dP^T = V . dO_i^T - delta_i          | issued together, dP^T first (its accumulator started at -delta_i);
+    dV  += P^T . dO_i                    | dS^T is computed while dV runs (P^T the register A operand)
     dS^T = P^T * (dP^T - delta_i)        (P^T read back from its 16-bit copy, as the dV operand sees it)
     dK  += dS^T . Q_i                    (dS^T the register A operand), and dS^T -> shared memory
-    dQ_i^T = K^T . dS^T                  in 64-row pieces of the head dim (hd64 "atomic": dQ_i = dS . K)
-  and dQ is accumulated in a zeroed fp32 [B, Sq, Hq, D] buffer (relaxed atomics) that a torch op scales by
-  softmax_scale and casts at the end. Masking is branch-free; queries past Sq get lse2 = +inf and delta 0, so rows
-  of the next sequence that a TMA box may read contribute nothing. dK / dV are written once per CTA.
-- "atomic" (`_attn_bwd_kernel`): one 4-warp warpgroup per 64 keys, no warp specialization; it issues the TMA loads
-  (2-slot ring, the next tile's at the top of this one) and the dQ atomics itself. BLOCK_M is 64 at hd64, 32 at
-  hd128 (`BLOCK_MS`: dK and dV take 128 fp32 registers a thread there). ncu (session 14, hd128 causal 4k): the
-  compute warps stall on the atomics' register reads (long scoreboard on the registers an atomic still reads).
-- "ws" (`_attn_bwd_ws_kernel`): warp-specialized, 128 keys per CTA: two consumer warpgroups (64 keys each, 248
-  registers by setmaxnreg) and a loader / dQ-reducer warpgroup (24 registers): it issues the TMA loads into a
-  3-slot ring and, per iteration, sums the two consumers' partial dQ_i^T from shared memory (two fp32 slots,
-  mbarriers dq_full / dq_empty) and adds them to the buffer by atomics, so no compute warp waits on an atomic.
-  32-row query tiles at both head dims (64 spilled under Triton 3.6 at hd64). With 2 ring slots (measured first)
-  the consumers waited for Q / dO: the loader issued the next load only after its reduction; 3 slots: +5-10%.
+  then, both consumers' dS^T in shared memory (mbarrier ds_ready, dS^T double-buffered), dQ_i^T = K^T . dS^T over
+  all 128 keys: at hd128 each consumer computes half the head dim, at hd64 the consumer of the iteration's parity
+  all of it (FA3's split: the reducer adds one tile, no partial sums), stored untransposed (16-byte reducer reads).
+  lse2 / delta of the next tile are loaded one iteration ahead, one register each (a compact layout), and spread
+  over S^T's columns only when used: with the two accumulator folds this is what made 64-row tiles fit hd128.
+  Masking is branch-free; queries past Sq get lse2 = +inf and delta 0, so rows of the next sequence that a TMA box
+  may read contribute nothing. dK / dV are written once per CTA.
 Not deterministic (dQ's atomics), as FA3's default. dQ offsets are 32-bit per (batch, head): Sq * Hq * D < 2**31.
-Offline builds (tests/gluon_bwd_builds.py): no spills under Triton 3.6 and 3.9, wgmmas not serialized.
-- "ws_rows": "ws" with the partial dQ stored untransposed for 16-byte reducer reads (opt-in, not yet run).
-Next (FA3's remaining differences): 64-row query tiles at hd128 (registers), dQ by TMA reduce-add (not in Gluon
-3.6), a producer apart from the reducer.
+Offline builds (tests/gluon_bwd_builds.py): no spills under Triton 3.6 (3.9's ptxas: 12 bytes of loop scalars at
+hd128), wgmmas not serialized. Where the time goes (ncu) and what was tried: docs/attention.md.
 """
 
 
@@ -67,9 +59,8 @@ __all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "VARIANTS", "DE
            "Launch", "launch", "BLOCK_N"]
 
 BLOCK_N = 128  # keys per CTA: two consumer warpgroups of 64 (a wgmma's M)
-SHARED_LIMIT = 232448
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers, then moved by setmaxnreg
-WS_REGS = (240, 24)  # setmaxnreg of the second consumer and of the loader / dQ-reducer warpgroup
+WS_REGS = (240, 24)  # setmaxnreg of the second consumer and the loader / reducer; the first gets 3 * 168 - 264 = 240
 
 
 class Launch(NamedTuple):
@@ -81,7 +72,7 @@ class Launch(NamedTuple):
 # H200, session 15 (gluon_attention_backward.json and docs/attention.md): the dQ hand-over untransposed (16-byte
 # reducer reads), dQ_i split by head dim between the two consumers (one tile for the reducer, not two partial sums
 # to add) and 64-row query tiles at hd128 (registers freed by folding lse2 and delta into the wgmma accumulators and
-# by keeping the prefetched lse2 / delta one register each): 1.26-1.46x session 14's best. The variants it beat
+# by keeping the prefetched lse2 / delta one register each): 1.14-1.35x session 14's best. The variants it beat
 # ("atomic": no warp specialization, dQ by atomics from the compute warps; "ws": 32-row tiles, each consumer's
 # partial dQ^T summed by the reducer) are gone; this table stays for the next experiments.
 VARIANTS = {"split": Launch({64: 64, 128: 64}, {64: 3, 128: 2})}
