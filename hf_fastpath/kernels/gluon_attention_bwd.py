@@ -74,7 +74,8 @@ class Launch(NamedTuple):
 # to add) and 64-row query tiles at hd128 (registers freed by folding lse2 and delta into the wgmma accumulators and
 # by keeping the prefetched lse2 / delta one register each): 1.14-1.35x session 14's best. The variants it beat
 # ("atomic": no warp specialization, dQ by atomics from the compute warps; "ws": 32-row tiles, each consumer's
-# partial dQ^T summed by the reducer) are gone; this table stays for the next experiments.
+# partial dQ^T summed by the reducer) are gone, and so is a deeper or shallower ring at hd64 (2 or 4 slots: within
+# +-2% of 3); this table stays for the next experiments.
 VARIANTS = {"split": Launch({64: 64, 128: 64}, {64: 3, 128: 2})}
 DEFAULT_VARIANTS = {64: "split", 128: "split"}
 
