@@ -162,8 +162,8 @@ if HAS_GLUON:
         pt = gl.exp2(st * qk_scale)
         pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
         # dP^T is issued first so that it retires first: dS^T is computed while dV's wgmma runs. S^T and dP^T are
-        # never live together, and P^T stays only in 16 bits (hd128 fits the registers without spills)
-        # the accumulator starts at -delta: dP^T - delta comes out of the wgmma (delta is not live at the peak)
+        # never live together, P^T stays only in 16 bits, and dP^T's accumulator starts at -delta, so that
+        # dP^T - delta comes out of the wgmma and delta is not live at the register peak
         dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
                             st_zero - gl.expand_dims(gl.convert_layout(delta, col_layout), 0), is_async=True)
         dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
