@@ -54,7 +54,8 @@ def test_offline_shared_estimate_and_blocks():
             assert gb.shared_bytes(d, variant) <= HOPPER_SHARED_BYTES
             assert set(cfg.block_m) == set(cfg.stages) == set(gb.HEAD_DIMS)
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
-    assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2)
+    assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False)
+    assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg2")
 

@@ -1,8 +1,8 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon, FlashAttention-3 style (issue 20).
 
 Status (H200, session 15, benchmarks/results/gluon_attention_backward.json): passes the GPU tests against float64
-(tests/gpu/test_gluon_attention_bwd_gpu.py); 1.00-1.18x our Triton backward except hd64 causal 1k-8k (0.87-0.94x)
-and hd64 full 1k (0.95x), and 0.79-0.91x cuDNN's. Not dispatched: plain training runs cuDNN through SDPA (faster), and
+(tests/gpu/test_gluon_attention_bwd_gpu.py); 1.00-1.18x our Triton backward except hd64 causal 1k-8k (0.88-0.98x),
+and 0.79-0.91x cuDNN's. Not dispatched: plain training runs cuDNN through SDPA (faster), and
 what SDPA cannot take (packed, window, soft-cap) this kernel cannot either.
 
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
@@ -13,10 +13,10 @@ what SDPA cannot take (packed, window, soft-cap) this kernel cannot either.
   by setmaxnreg) and a loader / dQ-reducer warpgroup (24 registers) that issues the TMA loads of Q_i / dO_i into
   a ring and adds each iteration's dQ_i tile into a zeroed fp32 [B, Sq, Hq, D] buffer (relaxed 16-byte atomics),
   which one torch op scales by softmax_scale and casts at the end. Per tile, each consumer:
-    S^T  = K . Q_i^T                     wgmma from shared memory, its accumulator started at -lse2 / (scale *
-                                         log2e) (no lse2 registers live past it); waited
+    S^T  = K . Q_i^T                     wgmma (Q from shared memory; K too at hd128, from registers at hd64),
+                                         its accumulator started at -lse2 / (scale * log2e); waited
     P^T  = exp2(S^T * scale * log2e), masked (causal, key >= Sk, query >= Sq) to 0, kept in 16 bits
-    dP^T = V . dO_i^T - delta_i          | issued together, dP^T first (its accumulator started at -delta_i);
+    dP^T = V . dO_i^T - delta_i          | issued together, dP^T first (accumulator started at -delta_i; V as K);
     dV  += P^T . dO_i                    | dS^T is computed while dV runs (P^T the register A operand)
     dS^T = P^T * (dP^T - delta_i)        (P^T read back from its 16-bit copy, as the dV operand sees it)
     dK  += dS^T . Q_i                    (dS^T the register A operand), and dS^T -> shared memory
@@ -67,16 +67,17 @@ class Launch(NamedTuple):
     """One variant: query rows per tile and Q / dO ring slots, each by head dim."""
     block_m: dict
     stages: dict
+    kv_in_registers: tuple = ()  # head dims at which each consumer holds its K and V as register A operands
 
 
 # H200, session 15 (gluon_attention_backward.json and docs/attention.md): the dQ hand-over untransposed (16-byte
-# reducer reads), dQ_i split by head dim between the two consumers (one tile for the reducer, not two partial sums
-# to add) and 64-row query tiles at hd128 (registers freed by folding lse2 and delta into the wgmma accumulators and
-# by keeping the prefetched lse2 / delta one register each): 1.14-1.35x session 14's best. The variants it beat
-# ("atomic": no warp specialization, dQ by atomics from the compute warps; "ws": 32-row tiles, each consumer's
-# partial dQ^T summed by the reducer) are gone, and so is a deeper or shallower ring at hd64 (2 or 4 slots: within
-# +-2% of 3); this table stays for the next experiments.
-VARIANTS = {"split": Launch({64: 64, 128: 64}, {64: 3, 128: 2})}
+# reducer reads), dQ_i split by head dim between the two consumers (one tile for the reducer, not two partial sums),
+# 64-row query tiles at hd128 (registers freed by folding lse2 and delta into the wgmma accumulators and keeping the
+# prefetched lse2 / delta one register each) and at hd64 K / V as register operands (+2-7%): 1.16-1.35x session
+# 14's best. Gone, measured slower: "atomic" (no warp specialization, dQ atomics from the compute warps), "ws"
+# (32-row tiles, partial dQ^T summed by the reducer), a 2- or 4-slot ring at hd64 (within 2% of 3 slots). The table
+# stays for the next experiments.
+VARIANTS = {"split": Launch({64: 64, 128: 64}, {64: 3, 128: 2}, (64, ))}
 DEFAULT_VARIANTS = {64: "split", 128: "split"}
 
 
@@ -206,7 +207,7 @@ if HAS_GLUON:
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
                   dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
                   num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                  BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
         both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
         split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
@@ -232,6 +233,13 @@ if HAS_GLUON:
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, n_iters > 0, BLOCK_M,
                                  row_layout)
         mbarrier.wait(kv_ready, 0)
+        if KV_REGS:  # S^T and dP^T take K and V from registers: 2 x 16 KB less shared-memory traffic an iteration
+            kv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
+            k_op = k_w.load(kv_op_layout)
+            v_op = v_w.load(kv_op_layout)
+        else:
+            k_op = k_w
+            v_op = v_w
         for it in range(0, n_iters):
             # dS^T slot it % 2 was last read by iteration it - 2's wgmmas: every warp of this warpgroup is past them
             # (they met at iteration it - 1's barrier in `_dkdv_step`), the other warpgroup too (ds_ready, it - 1)
@@ -244,7 +252,7 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             ds_all = ds_smem.index(it % 2)  # [keys of both warpgroups, queries]: the other warpgroup reads it too
             ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
-            dk, dv = _dkdv_step(k_w, v_w, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, mt * BLOCK_M,
+            dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, mt * BLOCK_M,
                                 seq_q, diag, qk_scale, st_layout, CAUSAL)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             dslot = it % 2
@@ -318,7 +326,8 @@ if HAS_GLUON:
                          seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         KV_REGS: gl.constexpr):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
         dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -354,11 +363,11 @@ if HAS_GLUON:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
                          n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M,
-                         CAUSAL, STAGES)),
+                         CAUSAL, STAGES, KV_REGS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
                          n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M,
-                         CAUSAL, STAGES)),
+                         CAUSAL, STAGES, KV_REGS)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                                ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
                                num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
@@ -369,7 +378,8 @@ if HAS_GLUON:
 def kernel_args(head_dim: int, causal: bool, variant: str) -> tuple:
     """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
-    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim])
+    return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
+                                  KV_REGS=head_dim in cfg.kv_in_registers)
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
