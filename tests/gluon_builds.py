@@ -1,5 +1,5 @@
 """Compiles the Gluon Hopper attention kernel for sm_90 without a GPU and prints one JSON line per build (the
-defaults, then every opt-in variant of `gluon_attention.variants`): `{"name", "shared", "spills", ...}` or
+defaults, the key-mask and packed-segment kernels, then every opt-in variant of `gluon_attention.variants`): `{"name", "shared", "spills", ...}` or
 `{"name", "error"}`. Arguments: substrings of the names to build; GLUON_BUILDS_DUMP=dir writes each ttgir and PTX.
 Run with TRITON_INTERPRET unset or 0 (Gluon has no interpreter); `tests/test_gluon_builds.py` starts it in a
 subprocess."""
@@ -20,11 +20,14 @@ from hf_fastpath.kernels import gluon_attention as ga  # noqa: E402
 from offline_builds import build_error, descriptor_type, dump_asm  # noqa: E402
 
 
-def build(head_dim, causal, dtype=torch.bfloat16, cfg=None):
+MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
+
+
+def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = cfg or ga.config(head_dim, causal)
-    fn, constexprs = ga.kernel_args(head_dim, causal, cfg)
+    fn, constexprs = ga.kernel_args(head_dim, causal, cfg, mask_mode)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for p in fn.params:
@@ -43,6 +46,11 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None):
             sig[p.name] = ptr
         elif p.name == "lse_ptr":
             sig[p.name] = "*fp32"
+        elif p.name == "km_ptr":  # None (a constexpr) without a mask
+            if mask_mode:
+                sig[p.name] = MASK_POINTER[mask_mode]
+            else:
+                sig[p.name], constexprs = "constexpr", dict(constexprs, km_ptr=None)
         else:
             sig[p.name] = "fp32" if p.name == "qk_scale" else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in ("out_ptr", "lse_ptr")}
@@ -51,25 +59,30 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None):
 
 
 def cases():
-    """(name, head dim, causal, dtype, config): the defaults, then every opt-in variant of `ga.variants`."""
+    """(name, head dim, causal, dtype, config, mask mode): the defaults, the masked kernels (hd128 in each mode and
+    causality, hd64 causal), then every opt-in variant of `ga.variants`."""
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
-            yield f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, None
-    yield "fwd hd128 causal fp16", 128, True, torch.float16, None
+            yield f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, None, 0
+    yield "fwd hd128 causal fp16", 128, True, torch.float16, None, 0
+    for head_dim, causal in ((128, False), (128, True), (64, True)):
+        for mode, what in ((1, "keymask"), (2, "packed")):
+            yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 {what}", head_dim, causal, torch.bfloat16,
+                   None, mode)
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
             for variant, cfg in ga.variants(head_dim, causal).items():
                 yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant}", head_dim, causal,
-                       torch.bfloat16, cfg)
+                       torch.bfloat16, cfg, 0)
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype, cfg in cases():
+    for name, head_dim, causal, dtype, cfg, mask_mode in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype, cfg)
+            kernel = build(head_dim, causal, dtype, cfg, mask_mode)
             ptx = kernel.asm.get("ptx", "")
             cfg = cfg or ga.config(head_dim, causal)
             o_buffer = ga.kernel_args(head_dim, causal, cfg)[1].get("O_BUFFER", False)

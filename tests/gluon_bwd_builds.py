@@ -21,10 +21,13 @@ from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
 from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
 
 
-def build(head_dim, causal, dtype, variant):
+MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
+
+
+def build(head_dim, causal, dtype, variant, mask_mode=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, constexprs = gb.kernel_args(head_dim, causal, variant)
+    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode)
     cfg = gb.launch(variant)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
@@ -37,6 +40,11 @@ def build(head_dim, causal, dtype, variant):
             sig[p.name] = descriptor_type(dtype, [gb.BLOCK_N, head_dim])
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
+        elif p.name == "km_ptr":  # None (a constexpr) without a mask
+            if mask_mode:
+                sig[p.name] = MASK_POINTER[mask_mode]
+            else:
+                sig[p.name], constexprs = "constexpr", dict(constexprs, km_ptr=None)
         elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
             sig[p.name] = "*fp32"
         else:
@@ -48,22 +56,27 @@ def build(head_dim, causal, dtype, variant):
 
 
 def cases():
-    """(name, head dim, causal, dtype, variant): every head dim, mask and variant in bf16, and causal fp16."""
+    """(name, head dim, causal, dtype, variant, mask mode): every head dim, causality and variant in bf16, causal
+    fp16, and the key-mask and packed kernels causal at both head dims and full at hd128."""
     for head_dim in gb.HEAD_DIMS:
         for variant in gb.VARIANTS:
             for causal in (False, True):
                 yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant}", head_dim, causal,
-                       torch.bfloat16, variant)
-            yield f"bwd hd{head_dim} causal fp16 {variant}", head_dim, True, torch.float16, variant
+                       torch.bfloat16, variant, 0)
+            yield f"bwd hd{head_dim} causal fp16 {variant}", head_dim, True, torch.float16, variant, 0
+            for causal in (True, False) if head_dim == 128 else (True,):
+                for mode, what in ((1, "keymask"), (2, "packed")):
+                    yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant} {what}", head_dim,
+                           causal, torch.bfloat16, variant, mode)
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype, variant in cases():
+    for name, head_dim, causal, dtype, variant, mask_mode in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype, variant)
+            kernel = build(head_dim, causal, dtype, variant, mask_mode)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   shared_estimate=gb.shared_bytes(head_dim, variant),

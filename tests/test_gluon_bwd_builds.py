@@ -20,8 +20,11 @@ def test_gluon_attention_backward_builds_for_sm90():
     builds = run_build_script("gluon_bwd_builds.py")
     failed = [b for b in builds if "error" in b]
     assert not failed, failed
-    assert {b["name"] for b in builds} == {f"bwd hd{d} {kind} {v}" for d in gb.HEAD_DIMS for v in gb.VARIANTS
-                                           for kind in ("full bf16", "causal bf16", "causal fp16")}
+    plain = {f"bwd hd{d} {kind} {v}" for d in gb.HEAD_DIMS for v in gb.VARIANTS
+             for kind in ("full bf16", "causal bf16", "causal fp16")}
+    masked = {f"bwd hd{d} {kind} bf16 {v} {mask}" for v in gb.VARIANTS for mask in ("keymask", "packed")
+              for d, kind in ((64, "causal"), (128, "causal"), (128, "full"))}
+    assert {b["name"] for b in builds} == plain | masked
     assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
     assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds  # the estimate must not undercount
     assert not [b for b in builds if b["spills"]], builds  # Triton-level (PTX local memory)
@@ -54,7 +57,9 @@ def test_offline_shared_estimate_and_blocks():
             assert gb.shared_bytes(d, variant) <= HOPPER_SHARED_BYTES
             assert set(cfg.block_m) == set(cfg.stages) == set(gb.HEAD_DIMS)
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
-    assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False)
+    assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False,
+                                                         MASK_MODE=0)
+    assert gb.kernel_args(128, True, "split", 2)[1]["MASK_MODE"] == 2
     assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg2")

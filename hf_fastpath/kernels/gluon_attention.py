@@ -109,12 +109,15 @@ def _stages_o_in_q(head_dim: int, cfg: Config) -> bool:
     return not cfg.persistent or _shared_bytes(head_dim, cfg, True) > SHARED_LIMIT
 
 
-def kernel_args(head_dim: int, causal: bool, cfg: Config) -> tuple:
-    """(kernel, its constexprs) for one configuration; the launcher and tests/gluon_builds.py share it."""
+def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0) -> tuple:
+    """(kernel, its constexprs) for one configuration and mask mode (0 none, 1 key mask, 2 packed segments); the
+    launcher and tests/gluon_builds.py share it."""
     meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
                 PINGPONG=cfg.pingpong, TMA_STORE=cfg.tma_store)
     if not cfg.persistent:
-        return _attn_fwd_kernel, meta
+        return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode)
+    if mask_mode:
+        raise ValueError("the persistent variant takes no key mask or segments")
     meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
     return _attn_fwd_persistent_kernel, meta
 
@@ -145,6 +148,31 @@ if HAS_GLUON:
         n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
         n_full = gl.maximum(full_end, 0) // BLOCK_N
         return n_tiles, n_full
+
+    @gluon.jit
+    def _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, n_tiles, n_full, TILE_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, MASK_MODE: gl.constexpr):
+        """Key tiles of the query tile at row m0 -> (first, end, u0, u1): visit tiles first..end-1, masked but for
+        u0..u1-1, which every row of the tile sees whole. MASK_MODE 0: `_key_tiles`; 1 (key mask): every tile
+        masked; 2 (packed segments, Sq == Sk): only the keys of the segments of the tile's rows. A segment's tokens
+        are contiguous and its start / end (planes 1 / 2 of the table) do not decrease along the sequence, so the
+        tile's first row has the smallest start and end, its last row the largest."""
+        if MASK_MODE == 2:
+            seg = km_ptr + b * km_b
+            m_last = gl.minimum(m0 + TILE_M, seq_q) - 1
+            first = gl.load(seg + km_plane + m0) // BLOCK_N
+            n_tiles = gl.minimum(n_tiles, gl.cdiv(gl.load(seg + 2 * km_plane + m_last), BLOCK_N))
+            u0 = gl.minimum(gl.maximum(gl.cdiv(gl.load(seg + km_plane + m_last), BLOCK_N), first + 1), n_tiles)
+            u1 = gl.maximum(gl.minimum(n_full, gl.load(seg + 2 * km_plane + m0) // BLOCK_N), u0)
+        elif MASK_MODE == 1:
+            first = 0
+            u0 = 1
+            u1 = 1
+        else:
+            first = 0
+            u0 = 1
+            u1 = gl.maximum(n_full, 1)
+        return first, n_tiles, u0, u1
 
     @gluon.jit
     def _work_item(t, n_m_tiles, n_bh, CAUSAL: gl.constexpr):
@@ -182,10 +210,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                  q_row, q_col, kv_row, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                  q_row, q_col, kv_row, kv_col, first, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         _load_q(q_desc, q_smem, q_ready, q_row, q_col)
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, 0, n_tiles, 0, BLOCK_N,
-                 STAGES)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, first, n_tiles, -first,
+                 BLOCK_N, STAGES)
 
     @gluon.jit
     def _take_turn(turns, t, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
@@ -200,15 +228,22 @@ if HAS_GLUON:
             mbarrier.arrive(turns.index(1 - WARPGROUP), count=1)
 
     @gluon.jit
-    def _online_softmax(s, m_i, l_i, qk_scale, rows, key0, seq_k, diag, s_layout: gl.constexpr,
-                        BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    def _online_softmax(s, m_i, l_i, qk_scale, rows, key0, seq_k, diag, key_ok, seg_lo, seg_hi,
+                        s_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                        MASK_MODE: gl.constexpr):
         """Scores of one key tile -> (P unnormalized, the factor for the running output, new max, new sum);
-        the max lives in the scaled log2 domain."""
+        the max lives in the scaled log2 domain. Masks: key_ok (MASK_MODE 1, per key), each row's segment keys
+        seg_lo..seg_hi-1 (MASK_MODE 2)."""
         if MASKED:
             keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             visible = gl.expand_dims(keys < seq_k, 0)
             if CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diag, 1))
+            if MASK_MODE == 1:
+                visible = visible & gl.expand_dims(key_ok, 0)
+            if MASK_MODE == 2:
+                visible = visible & (gl.expand_dims(keys, 0) >= gl.expand_dims(seg_lo, 1)) \
+                    & (gl.expand_dims(keys, 0) < gl.expand_dims(seg_hi, 1))
             s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         if MASKED:  # a row with no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0, no NaN)
@@ -221,12 +256,18 @@ if HAS_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
+    def _key_mask(km_row, key0, seq_k, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Whether each key of the tile at key0 is a real one (its key-mask entry, as uint8, is > 0)."""
+        keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        return gl.load(km_row + keys, mask=keys < seq_k, other=0) > 0
+
+    @gluon.jit
     def _attend(j, c, t, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i, qk_scale, rows,
-                seq_k, diag, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WARPGROUP: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                seq_k, diag, km_row, seg_lo, seg_hi, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr, MASK_MODE: gl.constexpr):
         """Key tile j (ring position c, ping-pong turn t): S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} in flight
-        together, softmax of S_j under the P.V."""
+        together, softmax of S_j under the P.V (and a key mask's load under both wgmmas)."""
         slot = c % STAGES
         prev = (c - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
@@ -237,9 +278,13 @@ if HAS_GLUON:
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         _pass_turn(turns, WARPGROUP, PINGPONG)
+        if MASKED and MASK_MODE == 1:
+            key_ok = _key_mask(km_row, j * BLOCK_N, seq_k, BLOCK_N, s_layout)
+        else:
+            key_ok = None
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # wgmma groups retire in order: S_j is done
-        p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, s_layout,
-                                                 BLOCK_N, MASKED, CAUSAL)
+        p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, key_ok,
+                                                 seg_lo, seg_hi, s_layout, BLOCK_N, MASKED, CAUSAL, MASK_MODE)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # P stays live until its wgmma has read it
         mbarrier.arrive(kv_empty.index(prev), count=1)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -257,12 +302,14 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr,
-                  m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale,
+                  m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale,
                   WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, out_desc=None, o_smem=None, q_empty=None,
                   q_phase=0, kv0=0, turn0=0, TMA_STORE: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
-                  O_BUFFER: gl.constexpr = False):
-        """One warpgroup's 64 rows of one query tile. kv0 / turn0: K/V tiles / ping-pong turns this CTA went
+                  O_BUFFER: gl.constexpr = False, first=0, u0=1, km_ptr=None, km_b=0, km_plane=0,
+                  MASK_MODE: gl.constexpr = 0):
+        """One warpgroup's 64 rows of one query tile: key tiles first..n_tiles-1, unmasked u0..u1-1 (see
+        `_tile_plan`). kv0 / turn0: K/V tiles / ping-pong turns this CTA went
         through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
         goes back to the producer through q_empty: right after the last Q.K^T, so the next tile's Q loads under
         this one's last P.V and store, or, when TMA_STORE stages O in Q's buffer (o_smem is Q's unless O_BUFFER),
@@ -285,34 +332,60 @@ if HAS_GLUON:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        if MASK_MODE == 1:
+            km_row = km_ptr + b * km_b
+        else:
+            km_row = None
+        if MASK_MODE == 2:  # the keys each row sees: its segment's, start..end-1
+            seg_rows = km_ptr + b * km_b + rows
+            seg_lo = gl.load(seg_rows + km_plane, mask=rows < seq_q, other=0)
+            seg_hi = gl.load(seg_rows + 2 * km_plane, mask=rows < seq_q, other=0)
+        else:
+            seg_lo = None
+            seg_hi = None
+        kvb = kv0 - first  # ring position and turn of key tile j: kvb + j, tb + j
+        tb = turn0 - first
         if WAIT_Q_ALWAYS:
             mbarrier.wait(q_ready, q_phase)
-        if n_tiles > 0:
+        if n_tiles > first:
             if not WAIT_Q_ALWAYS:
                 mbarrier.wait(q_ready, 0)
-            # tile 0 alone (no P.V to overlap with yet); masked, as it may be the only tile
+            # the first tile alone (no P.V to overlap with yet); masked, as it may be the only tile
             mbarrier.wait(k_ready.index(kv0 % STAGES), (kv0 // STAGES) & 1)
             _take_turn(turns, turn0, WARPGROUP, PINGPONG)
             s = warpgroup_mma(q, k_smem.index(kv0 % STAGES).permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             _pass_turn(turns, WARPGROUP, PINGPONG)
+            if MASK_MODE == 1:
+                key_ok = _key_mask(km_row, first * BLOCK_N, seq_k, BLOCK_N, s_layout)
+            else:
+                key_ok = None
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, 0, seq_k, diag, s_layout, BLOCK_N,
-                                                 True, CAUSAL)
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, first * BLOCK_N, seq_k, diag, key_ok,
+                                                 seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL, MASK_MODE)
             p = gl.convert_layout(p.to(q.dtype), p_layout)
-            for j in range(1, n_full):  # tiles every row sees whole
-                o, p, m_i, l_i = _attend(j, kv0 + j, turn0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, s_layout, o_layout,
-                                         BLOCK_N, STAGES, False, CAUSAL, WARPGROUP, PINGPONG)
-            for j in range(gl.maximum(n_full, 1), n_tiles):  # the diagonal and the sequence end
-                o, p, m_i, l_i = _attend(j, kv0 + j, turn0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, s_layout, o_layout,
-                                         BLOCK_N, STAGES, True, CAUSAL, WARPGROUP, PINGPONG)
+            if MASK_MODE == 2:  # tiles before u0 start inside some row's segment
+                for j in range(first + 1, u0):
+                    o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                             turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo,
+                                             seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL, WARPGROUP,
+                                             PINGPONG, MASK_MODE)
+            if MASK_MODE != 1:
+                for j in range(u0, u1):  # tiles every row sees whole
+                    o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                             turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo,
+                                             seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL, WARPGROUP,
+                                             PINGPONG, MASK_MODE)
+            for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end (key mask: every tile)
+                o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo, seg_hi,
+                                         s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL, WARPGROUP, PINGPONG,
+                                         MASK_MODE)
             if RELEASE_Q_EARLY:  # every Q.K^T has completed
                 mbarrier.arrive(q_empty, count=1)
-            last = (kv0 + n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((kv0 + n_tiles - 1) // STAGES) & 1)
-            _take_turn(turns, turn0 + n_tiles, WARPGROUP, PINGPONG)
+            last = (kvb + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((kvb + n_tiles - 1) // STAGES) & 1)
+            _take_turn(turns, tb + n_tiles, WARPGROUP, PINGPONG)
             o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
             _pass_turn(turns, WARPGROUP, PINGPONG)
             o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
@@ -321,7 +394,7 @@ if HAS_GLUON:
             if RELEASE_Q_EARLY:
                 mbarrier.arrive(q_empty, count=1)
 
-        empty = l_i == 0.0  # no visible key (causal with Sq > Sk): out 0, lse -inf
+        empty = l_i == 0.0  # no visible key (causal with Sq > Sk, masked keys): out 0, lse -inf
         inv_l = 1.0 / gl.where(empty, 1.0, l_i)
         o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -386,8 +459,8 @@ if HAS_GLUON:
             m0 = tile * TILE_M
             n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
-                      bh // num_heads, bh % num_heads, seq_q, seq_k, num_heads, seq_k - seq_q, n_tiles, n_full,
-                      qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, o_smem, q_empty,
+                      bh // num_heads, bh % num_heads, seq_q, seq_k, num_heads, seq_k - seq_q, n_tiles,
+                      gl.maximum(n_full, 1), qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, o_smem, q_empty,
                       item & 1, kv0, turn0, TMA_STORE, True, O_BUFFER)
             kv0 += n_tiles
             if n_tiles > 0:  # issue points per item: one per key tile and the last P.V
@@ -417,11 +490,14 @@ if HAS_GLUON:
         return q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns
 
     @gluon.jit
-    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, seq_q, seq_k, num_heads, group,
-                         q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
+    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, km_ptr, km_b, km_plane, seq_q, seq_k,
+                         num_heads, group, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
-        """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then)."""
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+                         MASK_MODE: gl.constexpr = 0):
+        """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
+        MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
+        of `flash_attention.segment_table` (plane stride km_plane); 0: None."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         TILE_M: gl.constexpr = 2 * ROWS
         pid_m = gl.program_id(0)
@@ -433,6 +509,8 @@ if HAS_GLUON:
         hk = h // group
         m0 = pid_m * TILE_M
         n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+        first, n_tiles, u0, u1 = _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, n_tiles, n_full, TILE_M, BLOCK_N,
+                                            MASK_MODE)
         diag = seq_k - seq_q
 
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = _allocate(q_desc, k_desc, v_desc,
@@ -441,13 +519,15 @@ if HAS_GLUON:
         kv_row = b * kv_row_b + hk * kv_row_h
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
-                         seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE)),
+                         seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
+                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
+                         km_ptr, km_b, km_plane, MASK_MODE)),
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
-                         seq_q, seq_k, num_heads, diag, n_tiles, n_full, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE)),
+                         seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
+                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
+                         km_ptr, km_b, km_plane, MASK_MODE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, h * q_col_h, kv_row, hk * kv_col_h, n_tiles, BLOCK_N, STAGES)),
+                         q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], _REGS)
 
     @gluon.jit
@@ -534,16 +614,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
 
 @on_input_device
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                            softmax_scale: float | None = None,
+                            softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
+                            segments: torch.Tensor | None = None,
                             variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q.k^T * scale).v -> (out like q, lse fp32 [B, Hq, Sq] in natural log) for q [B, Sq, Hq, D] and
-    k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn. `variant`
-    replaces `config(D, causal)` (see `variants`)."""
+    k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn. `key_mask`
+    [B, Sk]: keys whose entry is > 0 are attended (padding); `segments`: packed sequences, the table of
+    `flash_attention.segment_table` (Sq == Sk); rows that see no key give 0 and lse -inf. `variant` replaces
+    `config(D, causal)` (see `variants`)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     check_inputs(q, k, v, softmax_scale)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    km, km_b, km_plane, mask_mode = mask_args(key_mask, segments, B, Sq, Sk, q.device)
     out = torch.empty(B, Sq, Hq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, Hq, Sq, device=q.device, dtype=torch.float32)
     if B == 0 or Sq == 0 or Hq == 0:
@@ -567,14 +651,26 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
     out_desc = _out_descriptor(out, elem) if cfg.tma_store else None
 
-    kernel, meta = kernel_args(D, bool(causal), cfg)
+    kernel, meta = kernel_args(D, bool(causal), cfg, mask_mode)
     n_m_tiles = triton.cdiv(Sq, BLOCK_M)
     head_args = (Sq, Sk, Hq, Hq // Hkv) + ((B * Hq, ) if cfg.persistent else ())
+    if not cfg.persistent:
+        head_args = (km, km_b, km_plane) + head_args
     # persistent: one CTA per SM at most (one fits per SM), each loops over work items
     grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
     kernel[grid](q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
                  kv_row_b, kv_row_h, kv_col_h, softmax_scale * LOG2E, **meta, num_warps=4, maxnreg=MAXNREG)
     return out, lse
+
+
+def mask_args(key_mask, segments, batch, seq_q, seq_k, device) -> tuple:
+    """(tensor, batch stride, plane stride, MASK_MODE) of a key mask (as one byte per key: the kernels load a tile's
+    worth per key tile) or a segment table, checked as the Triton kernel checks them; (None, 0, 0, 0) for neither."""
+    from .flash_attention import _key_mask_arg
+
+    if key_mask is not None and key_mask.dtype not in (torch.bool, torch.uint8):
+        key_mask = key_mask > 0
+    return _key_mask_arg(key_mask, segments, batch, seq_q, seq_k, device)
 
 
 def _out_descriptor(out: torch.Tensor, elem) -> "TensorDescriptor":

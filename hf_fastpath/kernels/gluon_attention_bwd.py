@@ -118,10 +118,12 @@ if HAS_GLUON:
         return gl.load(lse2_ptr + off, mask=ok, other=float("inf")), gl.load(delta_ptr + off, mask=ok, other=0.0)
 
     @gluon.jit
-    def _key_block(seq_q, seq_k, num_kv_heads, group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   CAUSAL: gl.constexpr):
+    def _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane, BLOCK_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr):
         """This CTA's work: keys n0.. of (batch b, kv-head hk), the query heads h0.. of its GQA group, and per head
-        the query tiles m_start..m_end-1 that see those keys -> (b, hk, h0, n0, m_start, m_end, iterations)."""
+        the query tiles m_start..m_end-1 that see those keys -> (b, hk, h0, n0, m_start, m_end, iterations).
+        Packed segments (MASK_MODE 2, Sq == Sk): only the queries of the keys' segments, from the segment start of
+        the first key to the segment end of the last (a segment's tokens are contiguous)."""
         bh = gl.program_id(1)
         b = bh // num_kv_heads
         hk = bh % num_kv_heads
@@ -131,6 +133,11 @@ if HAS_GLUON:
         else:
             m_start = 0
         m_end = gl.cdiv(seq_q, BLOCK_M)
+        if MASK_MODE == 2:
+            seg = km_ptr + b * km_b
+            m_start = gl.maximum(m_start, gl.load(seg + km_plane + n0) // BLOCK_M)
+            k_last = gl.minimum(n0 + BLOCK_N, seq_k) - 1
+            m_end = gl.minimum(m_end, gl.cdiv(gl.load(seg + 2 * km_plane + k_last), BLOCK_M))
         return b, hk, hk * group, n0, m_start, m_end, gl.maximum(m_end - m_start, 0) * group
 
     @gluon.jit
@@ -141,10 +148,35 @@ if HAS_GLUON:
         return h + last, (mt + 1) * (1 - last) + m_start * last
 
     @gluon.jit
-    def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, m0, seq_q, diag,
-                   qk_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr):
+    def _visible_span(km_keys, km_plane, keys, seq_q, seq_k, diag, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr):
+        """The queries that see each key, as (base, span): queries base..base+span-1, span 0 for none. Causality,
+        the sequence ends and the mask in two registers a key: key mask (MASK_MODE 1, km_keys its entries): causal
+        base = key - (Sk - Sq) up to Sq, else all of 0..Sq-1, for a real key; packed (2, km_keys the keys' columns of
+        the segment table): the key's segment (its start, or the key itself when causal, to its segment's end)."""
+        real = keys < seq_k
+        if MASK_MODE == 1:
+            real = real & (gl.load(km_keys, mask=real, other=0) > 0)
+            if CAUSAL:
+                base = keys - diag
+            else:
+                base = gl.zeros_like(keys)
+            end = gl.full_like(keys, seq_q)
+        else:
+            if CAUSAL:
+                base = keys
+            else:
+                base = gl.load(km_keys + km_plane, mask=real, other=0)
+            end = gl.load(km_keys + 2 * km_plane, mask=real, other=0)
+        return base, gl.where(real, gl.maximum(end - base, 0), 0)
+
+    @gluon.jit
+    def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, key_base, key_span,
+                   m0, seq_q, diag, qk_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
+                   MASK_MODE: gl.constexpr):
         """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
-        dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired."""
+        dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired. Visible:
+        key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with a mask (MASK_MODE 1 / 2) the queries
+        key_base..key_base+key_span-1 of each key instead (`_visible_span`)."""
         dtype: gl.constexpr = q_tile.dtype
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
@@ -157,9 +189,13 @@ if HAS_GLUON:
                            is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         rows = m0 + gl.arange(0, QUERIES, layout=col_layout)
-        visible = key_ok & gl.expand_dims(rows < seq_q, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
+        if MASK_MODE:  # one unsigned compare: rows below key_base wrap around to large values
+            visible = (gl.expand_dims(rows, 0) - gl.expand_dims(key_base, 1)).to(gl.uint32, bitcast=True) \
+                < gl.expand_dims(key_span, 1).to(gl.uint32, bitcast=True)
+        else:
+            visible = key_ok & gl.expand_dims(rows < seq_q, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0))
         pt = gl.exp2(st * qk_scale)
         pt16 = gl.convert_layout(gl.where(visible, pt, 0.0).to(dtype), a_layout)
         # dP^T is issued first so that it retires first: dS^T is computed while dV's wgmma runs. S^T and dP^T are
@@ -205,9 +241,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
-                  dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, seq_k,
-                  num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr):
+                  dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0, n0, m_start, m_end,
+                  n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                  KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
         both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
         split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
@@ -226,6 +263,12 @@ if HAS_GLUON:
         diag = seq_k - seq_q
         keys = n0 + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
         key_ok = gl.expand_dims(keys < seq_k, 1)
+        if MASK_MODE:  # each key's visible queries as one interval base..base+span-1 (see `_visible_span`)
+            key_base, key_span = _visible_span(km_ptr + b * km_b + keys, km_plane, keys, seq_q, seq_k, diag, CAUSAL,
+                                               MASK_MODE)
+        else:
+            key_base = None
+            key_span = None
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
         h = h0
@@ -252,8 +295,8 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             ds_all = ds_smem.index(it % 2)  # [keys of both warpgroups, queries]: the other warpgroup reads it too
             ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
-            dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, mt * BLOCK_M,
-                                seq_q, diag, qk_scale, st_layout, CAUSAL)
+            dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, key_base,
+                                key_span, mt * BLOCK_M, seq_q, diag, qk_scale, st_layout, CAUSAL, MASK_MODE)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             dslot = it % 2
             # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after this
@@ -323,18 +366,19 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-                         seq_q, seq_k, num_heads, num_kv_heads, group,
+                         km_ptr, km_b, km_plane, seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         KV_REGS: gl.constexpr):
+                         KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
-        dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`)."""
+        dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`). Masks as in the forward (MASK_MODE 1: km_ptr a
+        uint8 key mask, 2: the segment table; 0: None)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
-        b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, BLOCK_N, BLOCK_M,
-                                                            CAUSAL)
+        b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane,
+                                                            BLOCK_N, BLOCK_M, CAUSAL, MASK_MODE)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -361,13 +405,13 @@ if HAS_GLUON:
             mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
-                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
-                         n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M,
-                         CAUSAL, STAGES, KV_REGS)),
+                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
+                         n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0,
+                         HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
-                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, b, hk, h0, n0, m_start, m_end,
-                         n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M,
-                         CAUSAL, STAGES, KV_REGS)),
+                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
+                         n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1,
+                         HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                                ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
                                num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
@@ -375,11 +419,12 @@ if HAS_GLUON:
         ], [4, 4], _WS_REGS)
 
 
-def kernel_args(head_dim: int, causal: bool, variant: str) -> tuple:
-    """(kernel, its constexprs) of a variant; the launcher and tests/gluon_bwd_builds.py share it."""
+def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0) -> tuple:
+    """(kernel, its constexprs) of a variant and mask mode (0 none, 1 key mask, 2 packed segments); the launcher and
+    tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
-                                  KV_REGS=head_dim in cfg.kv_in_registers)
+                                  KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode)
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -413,12 +458,14 @@ def _offsets_fit(q: torch.Tensor) -> bool:
 @on_input_device
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
-                             softmax_scale: float | None = None,
+                             softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
+                             segments: torch.Tensor | None = None,
                              variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
-    [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right.
-    `variant`: one of `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
+    [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right;
+    `key_mask` / `segments` as in `gluon_attention_forward`. `variant`: one of `VARIANTS` (default:
+    `DEFAULT_VARIANTS` by head dim)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
     _check(dout, q, k, v, out, lse, softmax_scale)
@@ -428,6 +475,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    km, km_b, km_plane, mask_mode = _fwd.mask_args(key_mask, segments, B, Sq, Sk, q.device)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
     dv = torch.empty(v.shape, device=q.device, dtype=q.dtype)
@@ -449,7 +497,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     do2, do_map = _fwd._row_view(dout)
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
-    kernel, meta = kernel_args(D, bool(causal), variant)
+    kernel, meta = kernel_args(D, bool(causal), variant, mask_mode)
     qm_block, kn_block = [cfg.block_m[D], D], [BLOCK_N, D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
     kn_layout = nvmma_layout(tuple(kn_block), elem)
@@ -460,7 +508,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
     dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
-    kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, Sq, Sk, Hq, Hkv, Hq // Hkv,
+    kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, km, km_b, km_plane, Sq, Sk, Hq, Hkv,
+                 Hq // Hkv,
                  *q_map, *k_map, *v_map, *do_map, softmax_scale * LOG2E, softmax_scale, **meta,
                  num_warps=4, maxnreg=MAXNREG)
     torch.mul(dq_acc, softmax_scale, out=dq)  # one pass: scaled and cast
