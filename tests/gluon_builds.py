@@ -1,6 +1,6 @@
 """Compiles the Gluon Hopper attention kernel for sm_90 without a GPU and prints one JSON line per build (the
-defaults, the key-mask and packed-segment kernels, then every opt-in variant of `gluon_attention.variants`): `{"name", "shared", "spills", ...}` or
-`{"name", "error"}`. Arguments: substrings of the names to build; GLUON_BUILDS_DUMP=dir writes each ttgir and PTX.
+defaults, the key-mask and packed-segment kernels, then every opt-in variant of `gluon_attention.variants`):
+`{"name", "shared", "spills", ...}` or `{"name", "error"}`. Arguments: substrings of the names to build; GLUON_BUILDS_DUMP=dir writes each ttgir and PTX.
 Run with TRITON_INTERPRET unset or 0 (Gluon has no interpreter); `tests/test_gluon_builds.py` starts it in a
 subprocess."""
 

@@ -16,6 +16,7 @@ from hf_fastpath.attention import attention, attention_forward, backends, refere
 from hf_fastpath.attention.backends import BackendUnavailable, describe_backends, select_backend
 from hf_fastpath.attention.params import AttentionParams
 from hf_fastpath.kernels.common import WARNED
+from hf_fastpath.kernels.flash_attention import segment_table
 
 CALLS = []
 
@@ -269,7 +270,7 @@ def test_describe_backends(install):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The Gluon forward (Hopper): which calls it takes, and where "auto" runs it
+# The Gluon kernels (Hopper): which calls they take, and where "auto" runs them
 
 
 def _table(monkeypatch, rows):
@@ -282,7 +283,7 @@ def _table(monkeypatch, rows):
 PREFILL_ROW = dict(phase="prefill", head_dim=64, gqa=True, causal=True, batch=2, kv_len=16)
 
 
-def test_gluon_backend_takes_plain_hopper_calls_only(install, monkeypatch):
+def test_gluon_backend_takes_dense_hopper_calls_only(install, monkeypatch):
     install()
     monkeypatch.setattr(backends, "_gluon_importable", lambda: True)
     gluon = backends.BACKENDS["gluon"]
@@ -293,7 +294,9 @@ def test_gluon_backend_takes_plain_hopper_calls_only(install, monkeypatch):
     assert "head dims 64, 128" in why(*_qkv(d=16, grad=False))
     assert "float16/bfloat16" in why(q.float(), k.float(), v.float())
     assert "sliding window" in why(q, k, v, plain._replace(window_size=(4, 0)))
-    assert "padding" in why(q, k, v, plain._replace(key_mask=torch.ones(2, 12)))
+    assert why(q, k, v, plain._replace(key_mask=torch.ones(2, 12))) is None  # padding
+    assert why(q, k, v, plain._replace(segments=segment_table(torch.zeros(2, 12, dtype=torch.int32)))) is None
+    assert "softcap" in why(q, k, v, plain._replace(softcap=30.0))
     assert "static-cache" in why(q, k, v, plain._replace(seqused_k=torch.full((2,), 12)))
     install(capability=(8, 0))
     assert "Hopper" in gluon.missing()
@@ -318,15 +321,20 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
     assert select_backend("auto", q, k, v, plain).name == "sdpa"
     _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=1.2)])  # not measured: never picked
     assert select_backend("auto", q, k, v, plain).name == "triton"
-    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7)])
-    # a padded call: neither SDPA nor Gluon takes it
-    masked = plain._replace(key_mask=torch.ones(2, 16))
-    assert select_backend("auto", q, k, v, masked).name == "triton"
+    # a padded or packed call: SDPA does not take it; Gluon where the plain call's row says it is faster
+    for masked in (plain._replace(key_mask=torch.ones(2, 16)),
+                   plain._replace(segments=segment_table(torch.zeros(2, 16, dtype=torch.int32)))):
+        _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=0.7)])
+        assert select_backend("auto", q, k, v, masked).name == "gluon"
+        _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=1.1)])
+        assert select_backend("auto", q, k, v, masked).name == "triton"
 
 
-def test_gluon_op_shapes_and_gradients(monkeypatch):
-    # the custom op's fake shapes, and its autograd: the Triton backward from the forward's (out, lse). The Gluon
-    # kernel itself needs a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for it.
+@pytest.mark.parametrize("mask", ["none", "key_mask", "segments"])
+def test_gluon_op_shapes_and_gradients(monkeypatch, mask):
+    # the custom ops' fake shapes, and their autograd with the masks passed through to the backward op. The Gluon
+    # kernels need a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for the Gluon forward,
+    # and the backward op falls back to the Triton backward by itself (`gluon_attention_bwd.supported`: no GPU).
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hf_fastpath.attention import ops
@@ -334,17 +342,22 @@ def test_gluon_op_shapes_and_gradients(monkeypatch):
 
     with FakeTensorMode():
         q, k = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16), torch.empty(2, 7, 2, 64, dtype=torch.bfloat16)
-        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, True, 0.125)
+        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, None, None, True, 0.125)
+        dq, dk, dv = torch.ops.hf_fastpath.gluon_attn_backward(q, q, k, k, q, lse, None, None, True, 0.125)
     assert out.shape == q.shape and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
-    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, causal, scale: flash_attention_forward(
-        q, k, v, causal=causal, softmax_scale=scale))
-    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=32))
-    out, _ = ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3))
+    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale:
+                        flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask,
+                                                segments=segments))
+    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=2, s=9, hq=4, hkv=2, d=32))
+    masks = {"none": {}, "key_mask": dict(key_mask=torch.tensor([[1] * 9, [0] * 3 + [1] * 6])),
+             "segments": dict(segments=segment_table(torch.tensor([[0] * 4 + [1] * 5, [0] + [1] * 7 + [2]])))}[mask]
+    out, _ = ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3, **masks))
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    want_out, _ = reference.attention_forward(q64, k64, v64, causal=True, softmax_scale=0.3)
+    want_out, _ = reference.attention_forward(q64, k64, v64, causal=True, softmax_scale=0.3, **masks)
     want = torch.autograd.grad(want_out, (q64, k64, v64), g.double())
     torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
     for a, b in zip(got, want):

@@ -325,9 +325,9 @@ def _gluon_importable() -> bool:
 
 
 class GluonBackend:
-    """Our Gluon FlashAttention forward for Hopper (`kernels/gluon_attention.py`: warp-specialized, TMA, ping-pong
-    wgmma) with the Triton backward. Plain dense calls at head dim 64 or 128; "auto" runs it where the measured table
-    says it beats SDPA and our Triton kernel."""
+    """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
+    warp-specialized, TMA, wgmma): dense calls at head dim 64 or 128, causal or not, with or without a padding mask
+    or packed segments; "auto" runs it where the measured table says it beats SDPA and our Triton kernel."""
 
     name = "gluon"
 
@@ -356,8 +356,7 @@ class GluonBackend:
         if req.head_dim not in HEAD_DIMS:
             return f"supports head dims {', '.join(map(str, HEAD_DIMS))}, got {req.head_dim}"
         for used, what in ((req.varlen, "varlen inputs"), (req.window, "sliding window"), (req.softcap, "softcap"),
-                           (req.alibi, "ALiBi"), (req.dropout, "dropout"),
-                           (req.key_mask, "padding masks or packed sequences"), (req.seqused, "static-cache lengths")):
+                           (req.alibi, "ALiBi"), (req.dropout, "dropout"), (req.seqused, "static-cache lengths")):
             if used:
                 return f"has no {what}"
         return None

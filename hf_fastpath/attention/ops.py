@@ -12,6 +12,7 @@ Arguments follow `hf_fastpath.attention.reference` (window as two ints, -1 = unb
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -21,7 +22,8 @@ from ..kernels.common import gluon_build_failed
 from .params import AttentionParams, make_params
 from .triton_backend import check_inputs
 
-__all__ = ["flash_attn_forward", "flash_attn_backward", "flash_attn", "gluon_attn_forward", "gluon_attn"]
+__all__ = ["flash_attn_forward", "flash_attn_backward", "flash_attn", "gluon_attn_forward", "gluon_attn_backward",
+           "gluon_attn"]
 
 Tensor = torch.Tensor
 
@@ -115,61 +117,89 @@ def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The Gluon forward (Hopper, plain calls), with the Triton backward: both use the same LSE convention.
+# The Gluon kernels (Hopper): dense calls, causal or not, with or without a key mask or packed segments.
 
 
 GLUON_BUILD_ERRORS: list[str] = []  # a Gluon kernel that failed to build here: "auto" stops choosing Gluon
 
 
-def _gluon_forward(q, k, v, causal, softmax_scale):
-    """The Gluon forward; if this Triton cannot build it (its Gluon API differs from the 3.6 and 3.9 we build
+def _gluon_or_triton(gluon_call, triton_call):
+    """The Gluon kernel; if this Triton cannot build it (its Gluon API differs from the 3.6 and 3.9 we build
     against), our Triton kernel instead, with a one-time warning."""
     from triton.compiler.errors import CompilationError
 
-    from ..kernels.gluon_attention import gluon_attention_forward
-
     if not GLUON_BUILD_ERRORS:
         try:
-            return gluon_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+            return gluon_call()
         except CompilationError as exc:
             gluon_build_failed(GLUON_BUILD_ERRORS, exc, __name__, "gluon-build", "Gluon attention kernel",
                                "the Triton kernel")
-    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return triton_call()
+
+
+def _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale):
+    from ..kernels.gluon_attention import gluon_attention_forward
+
+    masks = dict(causal=causal, softmax_scale=softmax_scale, key_mask=key_mask, segments=segments)
+    return _gluon_or_triton(partial(gluon_attention_forward, q, k, v, **masks),
+                            partial(flash_attention_forward, q, k, v, **masks))
+
+
+def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale):
+    from ..kernels.gluon_attention_bwd import gluon_attention_backward, supported
+
+    masks = dict(causal=causal, softmax_scale=softmax_scale, key_mask=key_mask, segments=segments)
+    triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
+    if not supported(dout, q, k, v, causal):  # e.g. Sq * Hq * D past 32-bit dQ offsets
+        return triton_call()
+    return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, **masks), triton_call)
 
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_forward", mutates_args=())
-def gluon_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    return _gluon_forward(q, k, v, causal, softmax_scale)
+def gluon_attn_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], segments: Optional[Tensor],
+                       causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale)
 
 
 @gluon_attn_forward.register_fake
-def _(q, k, v, causal, softmax_scale):
+def _(q, k, v, key_mask, segments, causal, softmax_scale):
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
+@torch.library.custom_op("hf_fastpath::gluon_attn_backward", mutates_args=())
+def gluon_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        key_mask: Optional[Tensor], segments: Optional[Tensor], causal: bool,
+                        softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale)
+
+
+@gluon_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _gluon_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, key_mask, segments, causal, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, segments)
     ctx.args = (causal, scale)
     ctx.mark_non_differentiable(lse)
 
 
-def _gluon_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    causal, scale = ctx.args
-    dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, None, None, 0, 0, None, None, None, None, causal, scale,
-                                     -1, -1, 0.0, False)
-    return dq, dk, dv, None, None
+def _gluon_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, key_mask, segments = ctx.saved_tensors
+    dq, dk, dv = gluon_attn_backward(dout, q, k, v, out, lse, key_mask, segments, *ctx.args)
+    return dq, dk, dv, None, None, None, None
 
 
-gluon_attn_forward.register_autograd(_gluon_backward, setup_context=_gluon_setup_context)
+gluon_attn_forward.register_autograd(_gluon_grad, setup_context=_gluon_setup_context)
 
 
 def gluon_attn(q, k, v, params: AttentionParams):
-    """Differentiable `(out, lse)` of a plain call (dense `[B, S, H, D]`, causal or not; no masks, window, softcap or
-    ALiBi) through the Gluon forward; `backends.GluonBackend` says which calls qualify."""
-    args = (q, k, v, params.causal, params.softmax_scale)
+    """Differentiable `(out, lse)` of a dense `[B, S, H, D]` call, causal or not, with or without a key mask or packed
+    segments (no varlen, window, softcap or ALiBi), through the Gluon forward and backward; `backends.GluonBackend`
+    says which calls qualify."""
+    args = (q, k, v, params.key_mask, params.segments, params.causal, params.softmax_scale)
     if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                                or v.requires_grad)):
         return _gluon_forward(*args)

@@ -460,8 +460,8 @@ if HAS_GLUON:
             n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
                       bh // num_heads, bh % num_heads, seq_q, seq_k, num_heads, seq_k - seq_q, n_tiles,
-                      gl.maximum(n_full, 1), qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, o_smem, q_empty,
-                      item & 1, kv0, turn0, TMA_STORE, True, O_BUFFER)
+                      gl.maximum(n_full, 1), qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
+                      out_desc, o_smem, q_empty, item & 1, kv0, turn0, TMA_STORE, True, O_BUFFER)
             kv0 += n_tiles
             if n_tiles > 0:  # issue points per item: one per key tile and the last P.V
                 turn0 += n_tiles + 1

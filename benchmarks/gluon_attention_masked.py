@@ -1,0 +1,236 @@
+"""Padded and packed attention on Hopper: the Gluon kernels (`gluon_attention_forward` / `_backward` with `key_mask`
+or `segments`) beside our plain-Triton kernels on the same masks, SDPA with the boolean mask Transformers' "sdpa"
+builds for such batches (torch picks the kernel: efficient attention), and cuDNN on the same tokens without any mask
+(what an unpadded, unpacked batch would cost: a bound, not a peer). Forward and forward + backward, median of
+`triton.testing.do_bench`, after a check of each against float64 on a small case. FLOPs count the visible
+(query, key) pairs: 4 * H * D * pairs forward, 2.5x that backward.
+
+    python benchmarks/gluon_attention_masked.py           # GPU: writes benchmarks/results/gluon_attention_masked.json
+    python benchmarks/gluon_attention_masked.py --plot F     # no GPU needed: PNG beside the JSON F
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gluon_attention_masked.json")
+HEADS = {64: (32, 32), 128: (32, 8)}  # (query heads, kv heads): GPT-2-like MHA, Llama-3-8B GQA
+TOKENS = 16384
+
+
+def _log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def cases():
+    """(kind, batch, seq, mean length, causal): packed rows of documents averaging `mean` tokens (causal, as packed
+    training runs), and padded batches with random lengths from half to all of `seq` (causal and not)."""
+    for s, mean in ((4096, 512), (8192, 2048)):
+        yield "packed", TOKENS // s, s, mean, True
+    for s in (1024, 4096):
+        for causal in (True, False):
+            yield "padded", TOKENS // s, s, None, causal
+
+
+def masks(kind, b, s, mean, seed=0):
+    """(kwargs for our kernels, the [B, 1, S, S] boolean mask for SDPA, visible (query, key) pairs)."""
+    from hf_fastpath.kernels.flash_attention import segment_table
+
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(s)
+    if kind == "packed":
+        ids = []
+        for _ in range(b):  # document lengths: exponential around `mean`, at least 1 token
+            lengths = (-torch.log(torch.rand(4 * s // mean + 8, generator=g)) * mean).long().clamp_min(1)
+            ids.append(torch.repeat_interleave(torch.arange(len(lengths)), lengths)[:s])
+        ids = torch.stack(ids).cuda()
+        same = ids[:, :, None] == ids[:, None, :]
+        return dict(segments=segment_table(ids)), same[:, None], same
+    lengths = torch.randint(s // 2, s + 1, (b,), generator=g)
+    keep = (pos[None] < lengths[:, None]).cuda()
+    return dict(key_mask=keep.to(torch.int64)), keep[:, None, None, :].expand(b, 1, s, s), keep[:, None, :]
+
+
+def _sdpa_mask(mask, causal):
+    s = mask.shape[-1]
+    return mask & torch.ones(s, s, dtype=torch.bool, device=mask.device).tril() if causal else mask
+
+
+def _pairs(visible, causal):
+    s = visible.shape[-1]
+    if causal:
+        visible = visible & torch.ones(s, s, dtype=torch.bool, device=visible.device).tril()
+    return int(visible.expand(-1, s, s).sum())
+
+
+def implementations():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hf_fastpath.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
+    from hf_fastpath.kernels.gluon_attention_bwd import gluon_attention_backward
+
+    def ours(fwd, bwd):
+        def run(q, k, v, causal, kw, sdpa_mask, backward, do):
+            out, lse = fwd(q, k, v, causal=causal, **kw)[:2]
+            if backward:
+                bwd(do, q, k, v, out, lse, causal=causal, **kw)
+            return out
+        return run
+
+    def sdpa(q, k, v, causal, kw, sdpa_mask, backward, do):
+        # as Transformers' sdpa path runs a masked batch: K/V repeated, one boolean mask (built once per forward,
+        # causality folded in: `_sdpa_mask`)
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        rep = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+        if backward:
+            qh, kh, vh = (t.detach().requires_grad_() for t in (qh, kh, vh))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=sdpa_mask).transpose(1, 2)
+        if backward:
+            out.backward(do)
+        return out
+
+    def cudnn_dense(q, k, v, causal, kw, sdpa_mask, backward, do):
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        if backward:
+            qh, kh, vh = (t.detach().requires_grad_() for t in (qh, kh, vh))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True).transpose(1, 2)
+        if backward:
+            out.backward(do)
+        return out
+
+    return {"gluon": ours(gluon_attention_forward, gluon_attention_backward),
+            "triton": ours(flash_attention_forward, flash_attention_backward),
+            "sdpa_masked": sdpa, "cudnn_no_mask": cudnn_dense}
+
+
+def check(impls):
+    """Forward of each masked implementation against float64 on a small odd case (relative error)."""
+    from hf_fastpath.attention import reference
+
+    errors = {}
+    for kind, causal in (("packed", True), ("padded", True), ("padded", False)):
+        b, s, (hq, hkv), d = 2, 777, HEADS[128], 128
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        kw, sdpa_mask, _ = masks(kind, b, s, 100)
+        sdpa_mask = _sdpa_mask(sdpa_mask, causal)
+        ref = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal, **kw)[0]
+        for name in ("gluon", "triton", "sdpa_masked"):
+            out = impls[name](q, k, v, causal, kw, sdpa_mask, False, None).double()
+            # rows that see no key: ours give 0, SDPA NaN; compare the rest
+            ok = ~torch.isnan(out)
+            errors[f"{name} {kind} {'causal' if causal else 'full'}"] = \
+                ((out - ref)[ok].norm() / ref[ok].norm()).item()
+    _log("relative error vs float64:", errors)
+    return errors
+
+
+def _timed(fn, flop):
+    from triton.testing import do_bench
+
+    try:
+        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - recorded in the row
+        return dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    return dict(ms=ms, tflops=flop / ms * 1e-9)
+
+
+def bench(impls, head_dims):
+    rows = []
+    for d in head_dims:
+        hq, hkv = HEADS[d]
+        for kind, b, s, mean, causal in cases():
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+            do = torch.randn_like(q)
+            kw, sdpa_mask, visible = masks(kind, b, s, mean)
+            sdpa_mask = _sdpa_mask(sdpa_mask, causal)
+            fl = 4 * hq * d * _pairs(visible, causal)
+            row = dict(kind=kind, head_dim=d, heads=hq, kv_heads=hkv, batch=b, seq=s, mean_doc=mean, causal=causal)
+            for phase, backward, mult in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
+                row[phase] = {name: _timed(lambda fn=fn: fn(q, k, v, causal, kw, sdpa_mask, backward, do), fl * mult)
+                              for name, fn in impls.items()}
+                t = {n: x.get("ms") for n, x in row[phase].items()}
+                for peer in ("triton", "sdpa_masked", "cudnn_no_mask"):
+                    if t["gluon"] and t[peer]:
+                        row[phase][f"gluon_vs_{peer}"] = t[peer] / t["gluon"]
+            rows.append(row)
+            _log(f"{kind} hd{d} b{b} s{s} {'causal' if causal else 'full'}: "
+                 + "  ".join(f"{ph} " + " ".join(f"{n} {row[ph][n].get('ms', float('nan')):.3f}" for n in impls)
+                             + f" (gluon x triton {row[ph].get('gluon_vs_triton', float('nan')):.2f})"
+                             for ph in ("fwd", "fwd_bwd")))
+    return rows
+
+
+def plot(path, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.load(open(path))
+    rows = data["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.5 * len(rows) + 2))
+    names = ("gluon", "triton", "sdpa_masked", "cudnn_no_mask")
+    colors = ("tab:red", "tab:orange", "tab:green", "tab:blue")
+    for ax, phase in zip(axes, ("fwd", "fwd_bwd")):
+        labels = [f"{r['kind']} hd{r['head_dim']} b{r['batch']}x{r['seq']} {'causal' if r['causal'] else 'full'}"
+                  for r in rows]
+        h = 0.8 / len(names)
+        for i, (n, c) in enumerate(zip(names, colors)):
+            vals = [r[phase][n].get("tflops", 0.0) for r in rows]
+            ax.barh([y + i * h for y in range(len(rows))], vals, height=h, color=c, label=n)
+        for y, r in enumerate(rows):
+            if "gluon_vs_triton" in r[phase]:
+                ax.annotate(f"{r[phase]['gluon_vs_triton']:.2f}x triton", (r[phase]["gluon"]["tflops"], y),
+                            fontsize=6, xytext=(3, -3), textcoords="offset points")
+        ax.set_yticks([y + 0.4 - h / 2 for y in range(len(rows))])
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.set_xlabel("TFLOP/s of visible (query, key) pairs")
+        ax.set_title(f"{phase.replace('_', ' + ')}")
+        ax.legend(fontsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    meta = data["meta"]
+    fig.suptitle(f"Padded / packed attention, {meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(png, dpi=90)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=RESULTS)
+    ap.add_argument("--plot", metavar="PNG", help="draw the JSON (--json) to this PNG; without a GPU, only that")
+    ap.add_argument("--head-dims", type=int, nargs="*", default=sorted(HEADS))
+    args = ap.parse_args()
+    if args.plot and not torch.cuda.is_available():
+        plot(args.json, args.plot)
+        return
+    import triton
+
+    t0 = time.time()
+    impls = implementations()
+    errors = check(impls)
+    rows = bench(impls, args.head_dims)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat(), dtype="bf16", tokens_per_batch=TOKENS,
+                seconds=round(time.time() - t0, 1), timing="triton.testing.do_bench median, warmup 10, rep 50")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, rel_error_vs_fp64=errors, rows=rows), f, indent=1)
+    if args.plot:
+        plot(args.json, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""GPU checks of the Gluon Hopper attention forward and backward with a padding mask (`key_mask`) or packed sequences
+(`segments`) against float64 (run on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_masks_gpu.py`).
+Skipped without an sm_90 GPU. Forward: out within 1e-2 (relative), lse within 2e-3, rows that see no key exactly 0
+with lse -inf. Backward: each gradient's relative error within 2x our plain-Triton backward's on the same out / lse
+(plus a small floor), and exactly 0 for queries that see no key.
+
+With HF_FASTPATH_GPU_REPORT=path, every case's errors go to that JSON file as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fastpath.attention import reference
+from hf_fastpath.kernels import gluon_attention as ga
+from hf_fastpath.kernels import gluon_attention_bwd as gb
+from hf_fastpath.kernels.flash_attention import flash_attention_backward, segment_table
+
+from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon
+
+pytestmark = needs_sm90_gluon(ga.HAS_GLUON)
+
+
+def _rel(x, ref, scale=0.0):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-3 * float(scale)).clamp_min(1e-30)).item()
+
+
+def key_mask(b, sk, kind, seed=0, dtype=torch.int64):
+    """[B, Sk] padding masks: right / left padding of random lengths, random holes, or holes with a batch row that
+    masks every key."""
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("right", "left"):
+        lengths = torch.randint(1, sk + 1, (b,), generator=g)
+        pos = torch.arange(sk)
+        m = pos[None] < lengths[:, None] if kind == "right" else pos[None] >= sk - lengths[:, None]
+    else:
+        m = torch.rand(b, sk, generator=g) < 0.7
+        if kind == "empty":
+            m[0] = False
+    return m.to(dtype).cuda()
+
+
+def segment_ids(b, s, kind, seed=0):
+    """[B, S] packed-sequence ids: random cuts (some one-token segments), every token alone, one segment, or a few
+    long segments (whole key tiles inside a segment: the unmasked path)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        if kind == "random":
+            n = int(torch.randint(1, max(s // 8, 1) + 1, (1,), generator=g))
+            cuts = torch.randperm(max(s - 1, 1), generator=g)[:n - 1] + 1 if s > 1 else torch.zeros(0, dtype=torch.long)
+            ids = torch.zeros(s, dtype=torch.long)
+            ids[cuts[cuts < s]] = 1
+            ids = ids.cumsum(0)
+        elif kind == "ones":
+            ids = torch.arange(s)
+        elif kind == "one":
+            ids = torch.zeros(s, dtype=torch.long)
+        else:  # "long": 1, ~s/3, 1, then the rest
+            cut = [0, 1, 1 + s // 3, 2 + s // 3]
+            ids = torch.zeros(s, dtype=torch.long)
+            for c in cut[1:]:
+                if c < s:
+                    ids[c:] += 1
+        rows.append(ids)
+    return torch.stack(rows).cuda()
+
+
+def _check(name, q, k, v, dout, causal, masks, floor=2e-3):
+    out, lse = ga.gluon_attention_forward(q, k, v, causal=causal, **masks)
+    d64 = [t.double() for t in (q, k, v, dout)]
+    ref_out, ref_lse = reference.attention_forward(*d64[:3], causal=causal, **masks)
+    assert out.shape == q.shape and torch.isfinite(out).all(), f"{name}: out has NaN/inf"
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), f"{name}: lse -inf rows differ from the reference"
+    rows = empty.transpose(1, 2)  # [B, Sq, H]
+    assert (out[rows] == 0).all(), f"{name}: a row that sees no key is not 0"
+    out_rel = _rel(out, ref_out)
+    lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+
+    ref = reference.attention_backward(d64[3], *d64[:3], ref_out, ref_lse, causal=causal, **masks)
+    got = gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=causal, **masks)
+    yard = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, **masks)
+    scale = ref[2].norm()
+    errs = {}
+    for gname, x, y, r, like in zip(("dq", "dk", "dv"), got, yard, ref, (q, k, v)):
+        assert x.shape == like.shape and x.dtype == like.dtype, gname
+        assert torch.isfinite(x).all(), f"{name}: {gname} has NaN/inf"
+        errs[gname] = (_rel(x, r, scale), _rel(y, r, scale))
+    assert (got[0][rows] == 0).all(), f"{name}: dq of a row that sees no key is not 0"
+    REPORT.append(dict(case=name, out_rel=out_rel, lse_abs=lse_err, **{f"{g}_rel": e[0] for g, e in errs.items()},
+                       **{f"{g}_rel_triton": e[1] for g, e in errs.items()}))
+    assert out_rel < 1e-2 and lse_err < 2e-3, (name, out_rel, lse_err)
+    for gname, (e, e_triton) in errs.items():
+        assert e <= 2 * e_triton + floor, (name, gname, e, e_triton)
+
+
+HEADS = [(4, 4), (16, 4)]  # MHA, GQA
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
+@pytest.mark.parametrize("kind", ["right", "left", "holes", "empty"])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (129, 129), (1000, 1000), (2049, 2049), (17, 1000),
+                                    (1000, 129)])
+def test_key_mask(sq, sk, kind, heads, causal, d):
+    b = 3 if sk <= 1000 else 2
+    q, k, v, dout = attention_inputs(b, sq, sk, *heads, d, dout=True, seed=sq + sk)
+    _check(f"key_mask {kind} sq={sq} sk={sk} h={heads} causal={causal} d={d}", q, k, v, dout, causal,
+           dict(key_mask=key_mask(b, sk, kind, seed=sq)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32])
+def test_key_mask_dtypes(dtype):
+    q, k, v, dout = attention_inputs(2, 300, 300, 8, 2, 128, dout=True, seed=5)
+    _check(f"key_mask dtype={dtype}", q, k, v, dout, True, dict(key_mask=key_mask(2, 300, "holes", 5, dtype)))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
+@pytest.mark.parametrize("kind", ["random", "ones", "one", "long"])
+@pytest.mark.parametrize("s", [1, 17, 129, 300, 1000, 3001])
+def test_segments(s, kind, heads, causal, d):
+    b = 3 if s <= 1000 else 1
+    q, k, v, dout = attention_inputs(b, s, s, *heads, d, dout=True, seed=s)
+    _check(f"segments {kind} s={s} h={heads} causal={causal} d={d}", q, k, v, dout, causal,
+           dict(segments=segment_table(segment_ids(b, s, kind, seed=s))))
+
+
+def test_bhsd_layout_and_fp16():
+    q, k, v, dout = attention_inputs(2, 500, 500, 8, 2, 64, dtype=torch.float16, bhsd=True, dout=True, seed=7)
+    _check("segments bhsd fp16", q, k, v, dout, True, dict(segments=segment_table(segment_ids(2, 500, "random"))))
+    _check("key_mask bhsd fp16", q, k, v, dout, False, dict(key_mask=key_mask(2, 500, "left")))
+
+
+def test_repeat_runs_are_bitwise_equal():
+    q, k, v, _ = attention_inputs(2, 2049, 2049, 8, 2, 128, seed=8)
+    masks = dict(segments=segment_table(segment_ids(2, 2049, "random", seed=8)))
+    first = ga.gluon_attention_forward(q, k, v, causal=True, **masks)
+    for _ in range(3):
+        again = ga.gluon_attention_forward(q, k, v, causal=True, **masks)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_rejects_bad_masks_with_a_clear_error():
+    q, k, v = attention_inputs(2, 16, 16, 4, 4, 64)
+    with pytest.raises(ValueError, match="key_mask must be"):
+        ga.gluon_attention_forward(q, k, v, key_mask=torch.ones(3, 16, device="cuda"))
+    with pytest.raises(ValueError, match="segments must be"):
+        ga.gluon_attention_forward(q, k[:, :8], v[:, :8], segments=segment_table(segment_ids(2, 16, "one")))
+    with pytest.raises(ValueError, match="not both"):
+        ga.gluon_attention_forward(q, k, v, key_mask=torch.ones(2, 16, device="cuda"),
+                                   segments=segment_table(segment_ids(2, 16, "one")))
