@@ -153,8 +153,9 @@ if HAS_GLUON:
     def _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, n_tiles, n_full, TILE_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, MASK_MODE: gl.constexpr):
         """Key tiles of the query tile at row m0 -> (first, end, u0, u1): visit tiles first..end-1, masked but for
-        u0..u1-1, which every row of the tile sees whole. MASK_MODE 0: `_key_tiles`; 1 (key mask): every tile
-        masked; 2 (packed segments, Sq == Sk): only the keys of the segments of the tile's rows. A segment's tokens
+        u0..u1-1, which every row of the tile sees whole. MASK_MODE 0 and 1 (key mask: the tiles u0..u1-1 check
+        their keys' entries): `_key_tiles`; 2 (packed segments, Sq == Sk): only the keys of the segments of the
+        tile's rows. A segment's tokens
         are contiguous and its start / end (planes 1 / 2 of the table) do not decrease along the sequence, so the
         tile's first row has the smallest start and end, its last row the largest."""
         if MASK_MODE == 2:
@@ -164,10 +165,6 @@ if HAS_GLUON:
             n_tiles = gl.minimum(n_tiles, gl.cdiv(gl.load(seg + 2 * km_plane + m_last), BLOCK_N))
             u0 = gl.minimum(gl.maximum(gl.cdiv(gl.load(seg + km_plane + m_last), BLOCK_N), first + 1), n_tiles)
             u1 = gl.maximum(gl.minimum(n_full, gl.load(seg + 2 * km_plane + m0) // BLOCK_N), u0)
-        elif MASK_MODE == 1:
-            first = 0
-            u0 = 1
-            u1 = 1
         else:
             first = 0
             u0 = 1
@@ -278,13 +275,23 @@ if HAS_GLUON:
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         _pass_turn(turns, WARPGROUP, PINGPONG)
-        if MASKED and MASK_MODE == 1:
+        if MASK_MODE == 1:
             key_ok = _key_mask(km_row, j * BLOCK_N, seq_k, BLOCK_N, s_layout)
         else:
             key_ok = None
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # wgmma groups retire in order: S_j is done
-        p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, key_ok,
-                                                 seg_lo, seg_hi, s_layout, BLOCK_N, MASKED, CAUSAL, MASK_MODE)
+        if MASK_MODE == 1 and not MASKED:  # a tile the rows see whole unless keys are padding: mask only if so
+            if gl.min(key_ok.to(gl.int32), axis=0) > 0:
+                p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag,
+                                                         key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, False, CAUSAL,
+                                                         MASK_MODE)
+            else:
+                p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag,
+                                                         key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL,
+                                                         MASK_MODE)
+        else:
+            p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, key_ok,
+                                                     seg_lo, seg_hi, s_layout, BLOCK_N, MASKED, CAUSAL, MASK_MODE)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # P stays live until its wgmma has read it
         mbarrier.arrive(kv_empty.index(prev), count=1)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -370,13 +377,12 @@ if HAS_GLUON:
                                              turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo,
                                              seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL, WARPGROUP,
                                              PINGPONG, MASK_MODE)
-            if MASK_MODE != 1:
-                for j in range(u0, u1):  # tiles every row sees whole
-                    o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                             turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo,
-                                             seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL, WARPGROUP,
-                                             PINGPONG, MASK_MODE)
-            for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end (key mask: every tile)
+            for j in range(u0, u1):  # tiles every row sees whole (key mask: unless some of their keys are padding)
+                o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo,
+                                         seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL, WARPGROUP,
+                                         PINGPONG, MASK_MODE)
+            for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo, seg_hi,
                                          s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL, WARPGROUP, PINGPONG,

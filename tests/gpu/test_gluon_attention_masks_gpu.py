@@ -136,7 +136,7 @@ def test_bhsd_layout_and_fp16():
 
 
 def test_repeat_runs_are_bitwise_equal():
-    q, k, v, _ = attention_inputs(2, 2049, 2049, 8, 2, 128, seed=8)
+    q, k, v = attention_inputs(2, 2049, 2049, 8, 2, 128, seed=8)
     masks = dict(segments=segment_table(segment_ids(2, 2049, "random", seed=8)))
     first = ga.gluon_attention_forward(q, k, v, causal=True, **masks)
     for _ in range(3):
