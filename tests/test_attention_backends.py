@@ -328,6 +328,18 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
         assert select_backend("auto", q, k, v, masked).name == "gluon"
         _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=1.1)])
         assert select_backend("auto", q, k, v, masked).name == "triton"
+    # and `attention` hands Gluon the masks as they are (not unpadded into varlen rows, as for FlashAttention)
+    seen = []
+
+    def run(self, q, k, v, p, dropout_p, return_lse):
+        seen.append((q.shape, p.varlen, p.key_mask is not None, p.segments is not None))
+        return reference.attention_forward(q, k, v, **p.kernel_kwargs())[0], None
+
+    monkeypatch.setattr(backends.GluonBackend, "run", run)
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=0.7)])
+    attention(q, k, v, causal=True, key_mask=torch.ones(2, 16))
+    attention(q, k, v, causal=True, segments=segment_table(torch.zeros(2, 16, dtype=torch.int32)))
+    assert seen == [(q.shape, False, True, False), (q.shape, False, False, True)]
 
 
 @pytest.mark.parametrize("mask", ["none", "key_mask", "segments"])
