@@ -321,13 +321,19 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
     assert select_backend("auto", q, k, v, plain).name == "sdpa"
     _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=1.2)])  # not measured: never picked
     assert select_backend("auto", q, k, v, plain).name == "triton"
-    # a padded or packed call: SDPA does not take it; Gluon where the plain call's row says it is faster
+    # a padded or packed call (hd128): SDPA does not take it; Gluon where the plain call's row says it is faster
+    q, k, v = _qkv(b=2, s=16, hq=4, hkv=2, d=128, grad=False)
     for masked in (plain._replace(key_mask=torch.ones(2, 16)),
                    plain._replace(segments=segment_table(torch.zeros(2, 16, dtype=torch.int32)))):
         _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=0.7)])
         assert select_backend("auto", q, k, v, masked).name == "gluon"
         _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=1.1)])
         assert select_backend("auto", q, k, v, masked).name == "triton"
+    # hd64 with masks: Gluon measured slower than Triton there, so the plain rows do not choose it
+    q64, k64, v64 = _qkv(b=2, s=16, hq=4, hkv=2, d=64, grad=False)
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7)])
+    assert select_backend("auto", q64, k64, v64, plain).name == "gluon"
+    assert select_backend("auto", q64, k64, v64, plain._replace(key_mask=torch.ones(2, 16))).name == "triton"
     # and `attention` hands Gluon the masks as they are (not unpadded into varlen rows, as for FlashAttention)
     seen = []
 

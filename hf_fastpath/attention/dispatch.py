@@ -9,7 +9,9 @@ with the same phase and causality, then the nearest head dim, GQA-ness, and (in 
 GPUs without a table run our kernel.
 
 SDPA serves only plain calls: no varlen, window, softcap, ALiBi, key mask or static-cache length, and either as
-many queries as keys or one query (SDPA's causal mask is top-left aligned).
+many queries as keys or one query (SDPA's causal mask is top-left aligned). Gluon serves plain calls and, at head dim
+128, padded and packed ones too: for those the plain call's row stands in (measured beside it in
+`benchmarks/results/gluon_attention_masked.json`: Gluon's lead over Triton there is as large or larger).
 """
 
 from __future__ import annotations
@@ -106,6 +108,13 @@ def choose(req, candidates=("sdpa",)) -> str:
     "gluon"), whichever measured fastest. Eager decoding uses the eager (host time included) figures, compiled code
     the CUDA-graph ones. Lengths and batches are looked up by their power-of-two ceiling, so a growing KV cache does
     not add a cache entry per token."""
+    if req.key_mask and req.head_dim < 128:
+        # the rows time plain calls; with a padding mask or packed sequences the Gluon kernels at hd64 measured
+        # 0.83-1.15x our Triton kernel's fwd+bwd (gluon_attention_masked.json, 2026-12-03): the plain rows would pick
+        # them where they lose, so they are not a candidate there
+        candidates = tuple(c for c in candidates if c != "gluon")
+        if not candidates:
+            return "triton"
     phase = phase_of(req)
     compiling = torch.compiler.is_compiling()
     if phase == "decode" and not compiling:
