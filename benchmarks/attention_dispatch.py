@@ -6,7 +6,7 @@
 
 Calls are made the way each runs inside a model:
 - `ours`: `hf_fastpath.attention.ops.flash_attn` (the custom op the `fastpath` adapter calls);
-- `gluon`: `hf_fastpath.attention.ops.gluon_attn` (the Gluon forward, Hopper only; Triton backward);
+- `gluon`: `hf_fastpath.attention.ops.gluon_attn` (the Gluon forward and backward, Hopper only);
 - `sdpa`: `F.scaled_dot_product_attention` as Transformers' "sdpa" calls it (`enable_gqa=True` without a mask,
   K/V repeated with one), torch choosing the kernel;
 - `sdpa_cudnn`, `sdpa_flash`: the same call with one SDPA kernel forced (as `fastpath`'s SDPA backends run it).

@@ -137,17 +137,9 @@ def check(impls):
     return errors
 
 
-def _timed(fn, flop):
-    from triton.testing import do_bench
-
-    try:
-        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
-    except Exception as exc:  # noqa: BLE001 - recorded in the row
-        return dict(error=f"{type(exc).__name__}: {exc}"[:300])
-    return dict(ms=ms, tflops=flop / ms * 1e-9)
-
-
 def bench(impls, head_dims):
+    from gluon_attention import _timed  # benchmarks/gluon_attention.py: {ms, tflops} by do_bench, or {error}
+
     rows = []
     for d in head_dims:
         hq, hkv = HEADS[d]

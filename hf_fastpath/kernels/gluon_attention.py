@@ -10,7 +10,10 @@ One CTA per (128-query tile, batch x head), three partitions (`gl.warp_specializ
   overlap). With PINGPONG the two warpgroups take turns issuing their wgmmas (two mbarriers pass the turn), so
   one's softmax runs under the other's tensor-core work.
 Causal attention is aligned bottom-right (query i sees keys j <= i + Sk - Sq): tiles above the diagonal are never
-loaded, and only the diagonal / sequence-end tiles pay for the mask. Rows with no visible key give 0 and lse -inf.
+loaded, and only the diagonal / sequence-end tiles pay for the mask. Padding (`key_mask`, MASK_MODE 1): a byte per
+key, checked in every tile that has a masked key; packed sequences (`segments`, MASK_MODE 2): only the key tiles of
+the segments of a tile's rows are loaded, each row masked to its segment (`_tile_plan`). Rows with no visible key
+give 0 and lse -inf.
 Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
 are stored. Tensors in, tensors out.
 

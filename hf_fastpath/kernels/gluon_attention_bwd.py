@@ -2,8 +2,9 @@
 
 Status (H200, session 15, benchmarks/results/gluon_attention_backward.json): passes the GPU tests against float64
 (tests/gpu/test_gluon_attention_bwd_gpu.py); 1.00-1.18x our Triton backward except hd64 causal 1k-8k (0.88-0.98x),
-and 0.79-0.91x cuDNN's. Not dispatched: plain training runs cuDNN through SDPA (faster), and
-what SDPA cannot take (packed, window, soft-cap) this kernel cannot either.
+and 0.79-0.91x cuDNN's, so plain training runs cuDNN through SDPA. Session 17: padding masks and packed sequences
+(tests/gpu/test_gluon_attention_masks_gpu.py; gluon_attention_masked.json: Gluon fwd+bwd 1.24-1.42x our Triton
+kernels at hd128), which `fastpath` dispatches to it; no window, soft-cap, ALiBi or varlen yet.
 
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
   domain with -inf -> +inf so that rows with no visible key get P = 0);
@@ -26,7 +27,9 @@ what SDPA cannot take (packed, window, soft-cap) this kernel cannot either.
   lse2 / delta of the next tile are loaded one iteration ahead, one register each (a compact layout), and spread
   over S^T's columns only when used: with the two accumulator folds this is what made 64-row tiles fit hd128.
   Masking is branch-free; queries past Sq get lse2 = +inf and delta 0, so rows of the next sequence that a TMA box
-  may read contribute nothing. dK / dV are written once per CTA.
+  may read contribute nothing. With a key mask or packed segments each key's visible queries are one interval
+  (`_visible_span`: one unsigned compare per element, two registers a key), and packed CTAs visit only the query
+  tiles of their keys' segments. dK / dV are written once per CTA.
 Not deterministic (dQ's atomics), as FA3's default. dQ offsets are 32-bit per (batch, head): Sq * Hq * D < 2**31.
 Offline builds (tests/gluon_bwd_builds.py): no spills under Triton 3.6 (3.9's ptxas: 12 bytes of loop scalars at
 hd128), wgmmas not serialized. Where the time goes (ncu) and what was tried: docs/attention.md.
