@@ -33,3 +33,10 @@ def attention_inputs(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, bhsd=False, se
 
     tensors = (make(sq, hq), make(sk, hkv), make(sk, hkv))
     return tensors + (make(sq, hq),) if dout else tensors
+
+
+def rel_error(x, ref, scale=0.0) -> float:
+    """Relative Frobenius error of x against ref (float64), in units of at least 1e-3 * scale: a gradient that is zero
+    in exact arithmetic (one key: dS = 0, so dQ = dK = 0) is then compared by its rounding noise against the
+    gradients' scale, not against 0."""
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-3 * float(scale)).clamp_min(1e-30)).item()

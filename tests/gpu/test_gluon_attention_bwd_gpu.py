@@ -15,19 +15,13 @@ from hf_fastpath.kernels import gluon_attention as ga
 from hf_fastpath.kernels import gluon_attention_bwd as gb
 from hf_fastpath.kernels.flash_attention import flash_attention_backward
 
-from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon
+from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon, rel_error as _rel
 
 pytestmark = needs_sm90_gluon(gb.HAS_GLUON)
 
 
 def _inputs(*args, **kwargs):
     return attention_inputs(*args, **kwargs, dout=True)  # q, k, v, dout
-
-
-def _rel(x, ref, scale=0.0):
-    """Relative error, in units of at least 1e-3 * scale: a gradient that is zero in exact arithmetic (one key: dS = 0,
-    so dQ = dK = 0) is then compared by its rounding noise against the gradients' scale, not against 0."""
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-3 * float(scale)).clamp_min(1e-30)).item()
 
 
 def _check(name, q, k, v, dout, causal, floor=2e-3, variant=None):

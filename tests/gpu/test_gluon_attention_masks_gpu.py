@@ -16,13 +16,9 @@ from hf_fastpath.kernels import gluon_attention as ga
 from hf_fastpath.kernels import gluon_attention_bwd as gb
 from hf_fastpath.kernels.flash_attention import flash_attention_backward, segment_table
 
-from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon
+from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon, rel_error as _rel
 
 pytestmark = needs_sm90_gluon(ga.HAS_GLUON)
-
-
-def _rel(x, ref, scale=0.0):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-3 * float(scale)).clamp_min(1e-30)).item()
 
 
 def key_mask(b, sk, kind, seed=0, dtype=torch.int64):
