@@ -3,6 +3,8 @@
 
     python benchmarks/attention_dispatch.py            # GPU: time every case, write the JSON (and the package table)
     python benchmarks/attention_dispatch.py --plot F   # PNG from a results JSON (no GPU needed)
+    python benchmarks/attention_dispatch.py --write-table F   # the package's table from F, plus the masked rows of
+        benchmarks/results/gluon_attention_masked.json (padded / packed batches: Triton and Gluon)
 
 Calls are made the way each runs inside a model:
 - `ours`: `hf_fastpath.attention.ops.flash_attn` (the custom op the `fastpath` adapter calls);
@@ -277,6 +279,15 @@ def write_table(path):
                 rows.append(row)
     meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
     meta["source"] = "benchmarks/results/" + os.path.basename(path)
+    masked = os.path.join(os.path.dirname(os.path.abspath(path)), "gluon_attention_masked.json")
+    if os.path.exists(masked):  # padded / packed batches: SDPA does not serve them, Triton and Gluon do
+        for r in json.load(open(masked))["rows"]:
+            for phase, times in (("prefill", r["fwd"]), ("train", r["fwd_bwd"])):
+                if "ms" in times["triton"] and "ms" in times["gluon"]:
+                    ms = {f"{n}_ms": round(times[n]["ms"], 5) for n in ("triton", "gluon")}
+                    rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
+                                     causal=r["causal"], batch=r["batch"], kv_len=r["seq"], masked=True, **ms))
+        meta["masked_source"] = "benchmarks/results/gluon_attention_masked.json"
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "attention",
                        f"dispatch_sm{cap[0]}{cap[1]}.json")
     with open(out, "w") as f:

@@ -329,9 +329,10 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
         assert select_backend("auto", q, k, v, masked).name == "gluon"
         _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=1.1)])
         assert select_backend("auto", q, k, v, masked).name == "triton"
-    # hd64 with masks: Gluon measured slower than Triton there, so the plain rows do not choose it
+    # rows measured with masks decide masked calls where the table has them (the plain rows, plain calls)
     q64, k64, v64 = _qkv(b=2, s=16, hq=4, hkv=2, d=64, grad=False)
-    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7)])
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7),
+                         dict(PREFILL_ROW, masked=True, triton_ms=1.0, gluon_ms=1.2)])
     assert select_backend("auto", q64, k64, v64, plain).name == "gluon"
     assert select_backend("auto", q64, k64, v64, plain._replace(key_mask=torch.ones(2, 16))).name == "triton"
     # and `attention` hands Gluon the masks as they are (not unpadded into varlen rows, as for FlashAttention)

@@ -4,14 +4,13 @@ serve too: the one that measured fastest for the nearest measured kind of call o
 The tables (`dispatch_sm90.json`, ...) come from `benchmarks/attention_dispatch.py --write-table`: per phase
 (`prefill`: forward only, `train`: forward + backward, `decode`: one query, CUDA-graph times, and `decode_eager`,
 host time included), head dim, GQA or not, causal or not, batch and key length, the median times of each kernel
-(`triton_ms`, `sdpa_ms`, and `gluon_ms` where measured), each called as it runs in a model. A call takes the row
-with the same phase and causality, then the nearest head dim, GQA-ness, and (in log scale) key length and batch.
-GPUs without a table run our kernel.
+(`triton_ms`, `sdpa_ms`, and `gluon_ms` where measured), each called as it runs in a model; rows marked `masked`
+time padded and packed batches (`benchmarks/gluon_attention_masked.py`). A call takes the rows with the same phase,
+causality and maskedness (a masked call without masked rows of its phase and causality: the plain ones), then the
+nearest head dim, GQA-ness, and (in log scale) key length and batch. GPUs without a table run our kernel.
 
 SDPA serves only plain calls: no varlen, window, softcap, ALiBi, key mask or static-cache length, and either as
-many queries as keys or one query (SDPA's causal mask is top-left aligned). Gluon serves plain calls and, at head dim
-128, padded and packed ones too: for those the plain call's row stands in (measured beside it in
-`benchmarks/results/gluon_attention_masked.json`: Gluon's lead over Triton there is as large or larger).
+many queries as keys or one query (SDPA's causal mask is top-left aligned).
 """
 
 from __future__ import annotations
@@ -85,11 +84,13 @@ def fastest(row, candidates=("sdpa", "gluon")) -> str:
 
 @torch.compiler.assume_constant_result
 def _choose(key) -> str:
-    capability, phase, head_dim, gqa, causal, batch, kv_len, candidates = key
+    capability, phase, head_dim, gqa, causal, masked, batch, kv_len, candidates = key
     rows = table_for(capability)
     if not rows:
         return "triton"
     rows = [r for r in rows if r["phase"] == phase and (phase.startswith("decode") or r["causal"] == causal)]
+    plain = [r for r in rows if not r.get("masked")]
+    rows = ([r for r in rows if r.get("masked")] or plain) if masked else plain
     if not rows:
         return "triton"
     rows = _nearest(rows, "head_dim", head_dim)
@@ -108,19 +109,12 @@ def choose(req, candidates=("sdpa",)) -> str:
     "gluon"), whichever measured fastest. Eager decoding uses the eager (host time included) figures, compiled code
     the CUDA-graph ones. Lengths and batches are looked up by their power-of-two ceiling, so a growing KV cache does
     not add a cache entry per token."""
-    if req.key_mask and req.head_dim < 128:
-        # the rows time plain calls; with a padding mask or packed sequences the Gluon kernels at hd64 measured
-        # 0.83-1.15x our Triton kernel's fwd+bwd (gluon_attention_masked.json, 2026-12-03): the plain rows would pick
-        # them where they lose, so they are not a candidate there
-        candidates = tuple(c for c in candidates if c != "gluon")
-        if not candidates:
-            return "triton"
     phase = phase_of(req)
     compiling = torch.compiler.is_compiling()
     if phase == "decode" and not compiling:
         phase = "decode_eager"
-    key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, _pow2(req.batch),
-           _pow2(req.kv_len), tuple(candidates))
+    key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, bool(req.key_mask),
+           _pow2(req.batch), _pow2(req.kv_len), tuple(candidates))
     if compiling:  # a constant at trace time; filling _CHOICES here would trip the graph's guards on the next call
         return _choose(key)
     choice = _CHOICES.get(key)
@@ -136,7 +130,8 @@ def explain(capability) -> list[str]:
         return ["no measured table for this GPU: fastpath runs hf_fastpath's Triton kernel"]
     out = []
     for r in rows:
-        shape = (f"{r['phase']:7s} hd{r['head_dim']} {'GQA' if r['gqa'] else 'MHA'} "
+        kind = "masked " if r.get("masked") else ""
+        shape = (f"{r['phase']:7s} {kind}hd{r['head_dim']} {'GQA' if r['gqa'] else 'MHA'} "
                  f"{'causal' if r['causal'] else 'full  '} batch {r['batch']:3d} keys {r['kv_len']:6d}")
         times = ", ".join(f"{n} {r[f'{n}_ms']:.3f} ms" for n in ("triton", "gluon", "sdpa") if r.get(f"{n}_ms"))
         out.append(f"{shape}: {fastest(r):6s} ({times})")
