@@ -124,6 +124,7 @@ def _as_tuple(result):
 
 class _FlashBackend:
     name = ""
+    takes_masks = False  # varlen only: `attention` unpads key masks, static caches and packed segments for it
     module = ""
     install = ""
 
@@ -256,6 +257,7 @@ def _max_len(p: AttentionParams, which):
 
 class TritonBackend:
     name = "triton"
+    takes_masks = True  # key_mask / seqused_k / segments as they are
 
     def missing(self) -> str | None:
         if not _importable("triton"):
@@ -294,6 +296,7 @@ class SDPABackend:
     the measured table says it beats our kernel."""
 
     name = "sdpa"
+    takes_masks = False  # plain calls only (`unsupported` says so)
 
     def missing(self):
         return None if torch.cuda.is_available() else "no CUDA device"
@@ -330,6 +333,7 @@ class GluonBackend:
     or packed segments; "auto" runs it where the measured table says it beats SDPA and our Triton kernel."""
 
     name = "gluon"
+    takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)
 
     def missing(self):
         if not _gluon_importable():
@@ -370,6 +374,7 @@ class GluonBackend:
 
 class ReferenceBackend:
     name = "reference"
+    takes_masks = True  # key_mask / seqused_k / segments as they are
 
     def missing(self):
         return None

@@ -111,7 +111,7 @@ def attention(
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
                          key_mask=key_mask, segments=segments)
     chosen = select_backend(backend, q, k, v, params, dropout_p, return_lse)
-    if params.masks_keys() and chosen.name not in ("triton", "gluon", "reference"):  # FlashAttention: varlen only
+    if params.masks_keys() and not chosen.takes_masks:  # FlashAttention: varlen only
         out, lse = _unpadded(lambda q, k, v, p: chosen.run(q, k, v, p, dropout_p, return_lse), q, k, v, params)
     else:
         out, lse = chosen.run(q, k, v, params, dropout_p, return_lse)
