@@ -6,7 +6,8 @@ workflows a user runs, both in one process on the same weights.
     python benchmarks/end_to_end.py --readme benchmarks/results/end_to_end.json       # the README's table
 
 Model (`--model`): Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP 14336, vocab 128256; the default)
-or Gemma-2-9B-shaped (head dim 256, soft caps, sliding window; results to `end_to_end_gemma2-9b.json`), `--layers`
+or Gemma-2-9B-shaped (head dim 256, soft caps, sliding window; results to `end_to_end_gemma2-9b.json`), or
+Mistral-7B-shaped (Llama-3-8B's attention with a 4096-token sliding window; `end_to_end_mistral-7b.json`), `--layers`
 decoder layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
 Rows (each: sdpa, fastpath, fastpath / sdpa; higher is better everywhere):
 - train: forward + backward (all parameters, loss on every token), tokens/s, 1 x 8192 tokens, and the same tokens
@@ -38,8 +39,12 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=
 GEMMA2_9B = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                  vocab_size=256000, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                  query_pre_attn_scalar=256, max_position_embeddings=40960)
+# head dim 128, GQA 32/8, every layer a 4096-token sliding window (Mistral-7B-v0.1)
+MISTRAL_7B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                  vocab_size=32000, sliding_window=4096, rope_theta=10000.0, max_position_embeddings=40960)
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
-          "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights")}
+          "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights"),
+          "mistral-7b": ("mistral", MISTRAL_7B, "Mistral-7B shape (sliding window 4096), random weights")}
 IMPLS = ("sdpa", "fastpath")
 # --control: "sdpa" against itself under the name "fastpath", to show how far apart the harness puts two runs of
 # the very same kernels (the noise any ratio here carries)

@@ -1,11 +1,14 @@
-"""Padded and packed attention on Hopper: the Gluon kernels (`gluon_attention_forward` / `_backward` with `key_mask`
-or `segments`) beside our plain-Triton kernels on the same masks, SDPA with the boolean mask Transformers' "sdpa"
-builds for such batches (torch picks the kernel: efficient attention), and cuDNN on the same tokens without any mask
-(what an unpadded, unpacked batch would cost: a bound, not a peer). Forward and forward + backward, median of
-`triton.testing.do_bench`, after a check of each against float64 on a small case. FLOPs count the visible
+"""Padded, packed, sliding-window and soft-capped attention on Hopper: the Gluon kernels (`gluon_attention_forward`
+/ `_backward` with `key_mask`, `segments`, `window_size` or `softcap`) beside our plain-Triton kernels on the same
+calls, SDPA with the boolean mask Transformers' "sdpa" builds for such batches (torch picks the kernel: efficient
+attention; it has no soft-cap, so those rows time it without one), and cuDNN on the same tokens without any mask
+(what an unpadded, unpacked, unwindowed batch would cost: a bound, not a peer). Forward and forward + backward,
+median of `triton.testing.do_bench`, after a check of each against float64 on a small case. FLOPs count the visible
 (query, key) pairs: 4 * H * D * pairs forward, 2.5x that backward.
 
     python benchmarks/gluon_attention_masked.py           # GPU: writes benchmarks/results/gluon_attention_masked.json
+    python benchmarks/gluon_attention_masked.py --kinds window softcap \
+        --json benchmarks/results/gluon_attention_window.json    # the sliding-window / soft-cap rows
     python benchmarks/gluon_attention_masked.py --plot F     # no GPU needed: PNG beside the JSON F
 """
 
@@ -25,28 +28,52 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gluon_attention_masked.json")
 HEADS = {64: (32, 32), 128: (32, 8)}  # (query heads, kv heads): GPT-2-like MHA, Llama-3-8B GQA
 TOKENS = 16384
+KINDS = ("packed", "padded", "window", "softcap")
+WINDOW = 4095  # keys before the query: Mistral's and Gemma-2's sliding window of 4096
+SOFTCAP = 50.0  # Gemma-2's attention soft-cap
 
 
 def _log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def cases():
-    """(kind, batch, seq, mean length, causal): packed rows of documents averaging `mean` tokens (causal, as packed
-    training runs), and padded batches with random lengths from half to all of `seq` (causal and not)."""
-    for s, mean in ((4096, 512), (8192, 2048)):
-        yield "packed", TOKENS // s, s, mean, True
-    for s in (1024, 4096):
-        for causal in (True, False):
-            yield "padded", TOKENS // s, s, None, causal
+def cases(kinds=KINDS):
+    """(kind, batch, seq, mean document length, causal): packed rows of documents averaging `mean` tokens (causal, as
+    packed training runs), padded batches with random lengths from half to all of `seq` (causal and not), causal
+    sliding windows of 4096 keys from 8k tokens (with and without Gemma-2's soft-cap), and soft-capped causal
+    attention."""
+    if "packed" in kinds:
+        for s, mean in ((4096, 512), (8192, 2048)):
+            yield "packed", TOKENS // s, s, mean, True
+    if "padded" in kinds:
+        for s in (1024, 4096):
+            for causal in (True, False):
+                yield "padded", TOKENS // s, s, None, causal
+    if "window" in kinds:
+        for s in (8192, 16384):
+            yield "window", TOKENS // s, s, None, True
+        yield "window_softcap", TOKENS // 8192, 8192, None, True
+    if "softcap" in kinds:
+        for s in (1024, 4096):
+            yield "softcap", TOKENS // s, s, None, True
 
 
 def masks(kind, b, s, mean, seed=0):
-    """(kwargs for our kernels, the [B, 1, S, S] boolean mask for SDPA, visible (query, key) pairs)."""
+    """(kwargs for our kernels, the [B, 1, S, S] boolean mask for SDPA, visible (query, key) pairs before causality
+    as [B, S or 1, S])."""
     from hf_fastpath.kernels.flash_attention import segment_table
 
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(s)
+    if kind in ("window", "window_softcap", "softcap"):
+        kw = dict(softcap=SOFTCAP) if kind.endswith("softcap") else {}
+        if kind.startswith("window"):
+            kw["window_size"] = (WINDOW, -1)
+            p = pos.cuda()
+            band = (p[:, None] - p[None, :]) <= WINDOW  # with causality (`_sdpa_mask`, `_pairs`): the window
+        else:
+            band = torch.ones(s, s, dtype=torch.bool, device="cuda")
+        return kw, band[None, None].expand(b, 1, s, s), band[None].expand(b, s, s)
     if kind == "packed":
         ids = []
         for _ in range(b):  # document lengths: exponential around `mean`, at least 1 token
@@ -121,13 +148,18 @@ def check(impls):
     from hf_fastpath.attention import reference
 
     errors = {}
-    for kind, causal in (("packed", True), ("padded", True), ("padded", False)):
+    for kind, causal in (("packed", True), ("padded", True), ("padded", False), ("window", True),
+                         ("window_softcap", True)):
         b, s, (hq, hkv), d = 2, 777, HEADS[128], 128
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
         kw, sdpa_mask, _ = masks(kind, b, s, 100)
+        if "window_size" in kw:
+            kw["window_size"] = (300, -1)  # inside the 777 tokens
+            p = torch.arange(s, device="cuda")
+            sdpa_mask = ((p[:, None] - p[None, :]) <= 300)[None, None].expand(b, 1, s, s)
         sdpa_mask = _sdpa_mask(sdpa_mask, causal)
         ref = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal, **kw)[0]
-        for name in ("gluon", "triton", "sdpa_masked"):
+        for name in ("gluon", "triton") + (() if "softcap" in kw else ("sdpa_masked", )):
             out = impls[name](q, k, v, causal, kw, sdpa_mask, False, None).double()
             # rows that see no key: ours give 0, SDPA NaN; compare the rest
             ok = ~torch.isnan(out)
@@ -137,13 +169,13 @@ def check(impls):
     return errors
 
 
-def bench(impls, head_dims):
+def bench(impls, head_dims, kinds=KINDS):
     from gluon_attention import _timed  # benchmarks/gluon_attention.py: {ms, tflops} by do_bench, or {error}
 
     rows = []
     for d in head_dims:
         hq, hkv = HEADS[d]
-        for kind, b, s, mean, causal in cases():
+        for kind, b, s, mean, causal in cases(kinds):
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
             do = torch.randn_like(q)
             kw, sdpa_mask, visible = masks(kind, b, s, mean)
@@ -204,6 +236,7 @@ def main():
     ap.add_argument("--json", default=RESULTS)
     ap.add_argument("--plot", metavar="PNG", help="draw the JSON (--json) to this PNG; without a GPU, only that")
     ap.add_argument("--head-dims", type=int, nargs="*", default=sorted(HEADS))
+    ap.add_argument("--kinds", nargs="*", default=["packed", "padded"], choices=KINDS)
     args = ap.parse_args()
     if args.plot and not torch.cuda.is_available():
         plot(args.json, args.plot)
@@ -213,7 +246,7 @@ def main():
     t0 = time.time()
     impls = implementations()
     errors = check(impls)
-    rows = bench(impls, args.head_dims)
+    rows = bench(impls, args.head_dims, args.kinds)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", tokens_per_batch=TOKENS,
                 seconds=round(time.time() - t0, 1), timing="triton.testing.do_bench median, warmup 10, rep 50")

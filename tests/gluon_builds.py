@@ -23,11 +23,11 @@ from offline_builds import build_error, descriptor_type, dump_asm  # noqa: E402
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
-def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0):
+def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=False, softcap=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = cfg or ga.config(head_dim, causal)
-    fn, constexprs = ga.kernel_args(head_dim, causal, cfg, mask_mode)
+    fn, constexprs = ga.kernel_args(head_dim, causal, cfg, mask_mode, window, softcap)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for p in fn.params:
@@ -52,37 +52,46 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0):
             else:
                 sig[p.name], constexprs = "constexpr", dict(constexprs, km_ptr=None)
         else:
-            sig[p.name] = "fp32" if p.name == "qk_scale" else "i32"
+            sig[p.name] = "fp32" if p.name in ("qk_scale", "cap_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in ("out_ptr", "lse_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga.MAXNREG))
 
 
 def cases():
-    """(name, head dim, causal, dtype, config, mask mode): the defaults, the masked kernels (hd128 in each mode and
-    causality, hd64 causal), then every opt-in variant of `ga.variants`."""
+    """(name, head dim, causal, dtype, config, mask mode, window, softcap): the defaults, the masked kernels (hd128 in
+    each mode and causality, hd64 causal), sliding window and soft-cap kernels, then every opt-in variant of
+    `ga.variants`."""
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
-            yield f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, None, 0
-    yield "fwd hd128 causal fp16", 128, True, torch.float16, None, 0
+            yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, None, 0,
+                   False, False)
+    yield "fwd hd128 causal fp16", 128, True, torch.float16, None, 0, False, False
     for head_dim, causal in ((128, False), (128, True), (64, True)):
         for mode, what in ((1, "keymask"), (2, "packed")):
             yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 {what}", head_dim, causal, torch.bfloat16,
-                   None, mode)
+                   None, mode, False, False)
+    for head_dim in ga.HEAD_DIMS:  # Mistral / Gemma-2 shapes: causal with a left edge, soft-cap, both
+        yield f"fwd hd{head_dim} causal bf16 window", head_dim, True, torch.bfloat16, None, 0, True, False
+        yield f"fwd hd{head_dim} causal bf16 softcap", head_dim, True, torch.bfloat16, None, 0, False, True
+    yield "fwd hd128 causal bf16 window softcap", 128, True, torch.bfloat16, None, 0, True, True
+    yield "fwd hd128 full bf16 window", 128, False, torch.bfloat16, None, 0, True, False
+    yield "fwd hd128 causal bf16 window packed", 128, True, torch.bfloat16, None, 2, True, False
+    yield "fwd hd128 causal bf16 window keymask softcap", 128, True, torch.bfloat16, None, 1, True, True
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
             for variant, cfg in ga.variants(head_dim, causal).items():
                 yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant}", head_dim, causal,
-                       torch.bfloat16, cfg, 0)
+                       torch.bfloat16, cfg, 0, False, False)
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype, cfg, mask_mode in cases():
+    for name, head_dim, causal, dtype, cfg, mask_mode, window, softcap in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype, cfg, mask_mode)
+            kernel = build(head_dim, causal, dtype, cfg, mask_mode, window, softcap)
             ptx = kernel.asm.get("ptx", "")
             cfg = cfg or ga.config(head_dim, causal)
             o_buffer = ga.kernel_args(head_dim, causal, cfg)[1].get("O_BUFFER", False)

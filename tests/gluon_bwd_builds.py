@@ -24,10 +24,10 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
-def build(head_dim, causal, dtype, variant, mask_mode=0):
+def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode)
+    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode, window, softcap)
     cfg = gb.launch(variant)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
@@ -48,7 +48,7 @@ def build(head_dim, causal, dtype, variant, mask_mode=0):
         elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
             sig[p.name] = "*fp32"
         else:
-            sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale") else "i32"
+            sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale", "cap_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
     # the setmaxnreg partitions need the launch's register budget
@@ -56,27 +56,36 @@ def build(head_dim, causal, dtype, variant, mask_mode=0):
 
 
 def cases():
-    """(name, head dim, causal, dtype, variant, mask mode): every head dim, causality and variant in bf16, causal
-    fp16, and the key-mask and packed kernels causal at both head dims and full at hd128."""
+    """(name, head dim, causal, dtype, variant, mask mode, window, softcap): every head dim, causality and variant in
+    bf16, causal fp16, the key-mask and packed kernels causal at both head dims and full at hd128, and the
+    sliding-window and soft-cap kernels (causal at both head dims; with packed segments or soft-cap at hd128)."""
     for head_dim in gb.HEAD_DIMS:
         for variant in gb.VARIANTS:
             for causal in (False, True):
                 yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant}", head_dim, causal,
-                       torch.bfloat16, variant, 0)
-            yield f"bwd hd{head_dim} causal fp16 {variant}", head_dim, True, torch.float16, variant, 0
+                       torch.bfloat16, variant, 0, False, False)
+            yield f"bwd hd{head_dim} causal fp16 {variant}", head_dim, True, torch.float16, variant, 0, False, False
             for causal in (True, False) if head_dim == 128 else (True,):
                 for mode, what in ((1, "keymask"), (2, "packed")):
                     yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant} {what}", head_dim,
-                           causal, torch.bfloat16, variant, mode)
+                           causal, torch.bfloat16, variant, mode, False, False)
+            for what, window, softcap in (("window", True, False), ("softcap", False, True)):
+                yield (f"bwd hd{head_dim} causal bf16 {variant} {what}", head_dim, True, torch.bfloat16, variant, 0,
+                       window, softcap)
+            if head_dim == 128:
+                yield (f"bwd hd{head_dim} causal bf16 {variant} window packed", head_dim, True, torch.bfloat16,
+                       variant, 2, True, False)
+                yield (f"bwd hd{head_dim} causal bf16 {variant} window softcap", head_dim, True, torch.bfloat16,
+                       variant, 0, True, True)
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype, variant, mask_mode in cases():
+    for name, head_dim, causal, dtype, variant, mask_mode, window, softcap in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype, variant, mask_mode)
+            kernel = build(head_dim, causal, dtype, variant, mask_mode, window, softcap)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   shared_estimate=gb.shared_bytes(head_dim, variant),

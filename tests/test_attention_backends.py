@@ -293,10 +293,11 @@ def test_gluon_backend_takes_dense_hopper_calls_only(install, monkeypatch):
     why = lambda q, k, v, p=plain: gluon.unsupported(backends.Request.of(q, k, v, p))  # noqa: E731
     assert "head dims 64, 128" in why(*_qkv(d=16, grad=False))
     assert "float16/bfloat16" in why(q.float(), k.float(), v.float())
-    assert "sliding window" in why(q, k, v, plain._replace(window_size=(4, 0)))
+    assert why(q, k, v, plain._replace(window_size=(4, 0))) is None  # sliding window
     assert why(q, k, v, plain._replace(key_mask=torch.ones(2, 12))) is None  # padding
     assert why(q, k, v, plain._replace(segments=segment_table(torch.zeros(2, 12, dtype=torch.int32)))) is None
-    assert "softcap" in why(q, k, v, plain._replace(softcap=30.0))
+    assert why(q, k, v, plain._replace(softcap=30.0)) is None
+    assert "ALiBi" in why(q, k, v, plain._replace(alibi_slopes=torch.ones(4)))
     assert "static-cache" in why(q, k, v, plain._replace(seqused_k=torch.full((2,), 12)))
     install(capability=(8, 0))
     assert "Hopper" in gluon.missing()
@@ -349,11 +350,12 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
     assert seen == [(q.shape, False, True, False), (q.shape, False, False, True)]
 
 
-@pytest.mark.parametrize("mask", ["none", "key_mask", "segments"])
+@pytest.mark.parametrize("mask", ["none", "key_mask", "segments", "window_softcap"])
 def test_gluon_op_shapes_and_gradients(monkeypatch, mask):
-    # the custom ops' fake shapes, and their autograd with the masks passed through to the backward op. The Gluon
-    # kernels need a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for the Gluon forward,
-    # and the backward op falls back to the Triton backward by itself (`gluon_attention_bwd.supported`: no GPU).
+    # the custom ops' fake shapes, and their autograd with the masks, window and soft-cap passed through to the
+    # backward op. The Gluon kernels need a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for
+    # the Gluon forward, and the backward op falls back to the Triton backward by itself
+    # (`gluon_attention_bwd.supported`: no GPU).
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hf_fastpath.attention import ops
@@ -361,17 +363,19 @@ def test_gluon_op_shapes_and_gradients(monkeypatch, mask):
 
     with FakeTensorMode():
         q, k = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16), torch.empty(2, 7, 2, 64, dtype=torch.bfloat16)
-        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, None, None, True, 0.125)
-        dq, dk, dv = torch.ops.hf_fastpath.gluon_attn_backward(q, q, k, k, q, lse, None, None, True, 0.125)
+        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, None, None, True, 0.125, 3, -1, 0.0)
+        dq, dk, dv = torch.ops.hf_fastpath.gluon_attn_backward(q, q, k, k, q, lse, None, None, True, 0.125, 3, -1,
+                                                               0.0)
     assert out.shape == q.shape and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
-    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale:
+    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale, left, right, cap:
                         flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask,
-                                                segments=segments))
+                                                segments=segments, window_size=(left, right), softcap=cap))
     q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=2, s=9, hq=4, hkv=2, d=32))
     masks = {"none": {}, "key_mask": dict(key_mask=torch.tensor([[1] * 9, [0] * 3 + [1] * 6])),
-             "segments": dict(segments=segment_table(torch.tensor([[0] * 4 + [1] * 5, [0] + [1] * 7 + [2]])))}[mask]
+             "segments": dict(segments=segment_table(torch.tensor([[0] * 4 + [1] * 5, [0] + [1] * 7 + [2]]))),
+             "window_softcap": dict(window_size=(3, -1), softcap=1.5)}[mask]
     out, _ = ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3, **masks))
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)

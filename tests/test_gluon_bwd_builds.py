@@ -24,15 +24,22 @@ def test_gluon_attention_backward_builds_for_sm90():
              for kind in ("full bf16", "causal bf16", "causal fp16")}
     masked = {f"bwd hd{d} {kind} bf16 {v} {mask}" for v in gb.VARIANTS for mask in ("keymask", "packed")
               for d, kind in ((64, "causal"), (128, "causal"), (128, "full"))}
-    assert {b["name"] for b in builds} == plain | masked
+    windowed = {f"bwd hd{d} causal bf16 {v} {what}" for v in gb.VARIANTS for d in gb.HEAD_DIMS
+                for what in ("window", "softcap")}
+    windowed |= {f"bwd hd128 causal bf16 {v} {what}" for v in gb.VARIANTS for what in ("window packed",
+                                                                                        "window softcap")}
+    assert {b["name"] for b in builds} == plain | masked | windowed
     assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
     assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds  # the estimate must not undercount
     assert not [b for b in builds if b["spills"]], builds  # Triton-level (PTX local memory)
     # Triton's wheel ships ptxas: without its report nothing below would be checked
     assert not [b for b in builds if "ptxas_error" in b], builds
     # ptxas-level spills. hd128 fills the consumers' 240 registers: Triton 3.9's ptxas spills a few loop scalars
-    # there (12 bytes, reloaded from L1), Triton 3.6's (the GPU runs) none; a real spill is hundreds of bytes
-    assert not [b for b in builds if b["ptxas_spill_bytes"] > (0 if b["triton"].startswith("3.6") else 32)], builds
+    # there (12 bytes, reloaded from L1), Triton 3.6's (the GPU runs) none; a real spill is hundreds of bytes. The
+    # soft-cap's tanh needs more: 44-112 bytes at hd128 under 3.6, 12-32 under 3.9 (docs/attention.md, session 18)
+    def allowed(b):
+        return 128 if "softcap" in b["name"] else (0 if b["triton"].startswith("3.6") else 32)
+    assert not [b for b in builds if b["ptxas_spill_bytes"] > allowed(b)], builds
     assert not [b for b in builds if b["serialized"] or b["ptxas_notes"]], builds  # a wait after every HGMMA
     assert all(b["hgmma"] > 0 for b in builds), builds
 
@@ -58,7 +65,9 @@ def test_offline_shared_estimate_and_blocks():
             assert set(cfg.block_m) == set(cfg.stages) == set(gb.HEAD_DIMS)
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
     assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False,
-                                                         MASK_MODE=0)
+                                                         MASK_MODE=0, WINDOW=False, SOFTCAP=False)
+    meta = gb.kernel_args(128, True, "split", 1, True, True)[1]
+    assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"]) == (1, True, True)
     assert gb.kernel_args(128, True, "split", 2)[1]["MASK_MODE"] == 2
     assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
     with pytest.raises(ValueError, match="variant must be one of"):

@@ -330,7 +330,8 @@ def _gluon_importable() -> bool:
 class GluonBackend:
     """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
     warp-specialized, TMA, wgmma): dense calls at head dim 64 or 128, causal or not, with or without a padding mask
-    or packed segments; "auto" runs it where the measured table says it beats SDPA and our Triton kernel."""
+    or packed segments, a sliding window or a soft-cap; "auto" runs it where the measured table says it beats SDPA
+    and our Triton kernel."""
 
     name = "gluon"
     takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)
@@ -359,8 +360,8 @@ class GluonBackend:
             return f"needs a Hopper GPU (sm_90), this GPU is sm_{req.capability[0]}{req.capability[1]}"
         if req.head_dim not in HEAD_DIMS:
             return f"supports head dims {', '.join(map(str, HEAD_DIMS))}, got {req.head_dim}"
-        for used, what in ((req.varlen, "varlen inputs"), (req.window, "sliding window"), (req.softcap, "softcap"),
-                           (req.alibi, "ALiBi"), (req.dropout, "dropout"), (req.seqused, "static-cache lengths")):
+        for used, what in ((req.varlen, "varlen inputs"), (req.alibi, "ALiBi"), (req.dropout, "dropout"),
+                           (req.seqused, "static-cache lengths")):
             if used:
                 return f"has no {what}"
         return None

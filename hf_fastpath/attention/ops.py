@@ -117,7 +117,8 @@ def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The Gluon kernels (Hopper): dense calls, causal or not, with or without a key mask or packed segments.
+# The Gluon kernels (Hopper): dense calls, causal or not, with or without a key mask or packed segments, a sliding
+# window or a soft-cap.
 
 
 GLUON_BUILD_ERRORS: list[str] = []  # a Gluon kernel that failed to build here: "auto" stops choosing Gluon
@@ -137,18 +138,24 @@ def _gluon_or_triton(gluon_call, triton_call):
     return triton_call()
 
 
-def _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale):
+def _gluon_kwargs(key_mask, segments, causal, softmax_scale, window_left, window_right, softcap):
+    return dict(causal=causal, softmax_scale=softmax_scale, key_mask=key_mask, segments=segments,
+                window_size=(window_left, window_right), softcap=softcap)
+
+
+def _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale, window_left, window_right, softcap):
     from ..kernels.gluon_attention import gluon_attention_forward
 
-    masks = dict(causal=causal, softmax_scale=softmax_scale, key_mask=key_mask, segments=segments)
+    masks = _gluon_kwargs(key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
     return _gluon_or_triton(partial(gluon_attention_forward, q, k, v, **masks),
                             partial(flash_attention_forward, q, k, v, **masks))
 
 
-def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale):
+def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale, window_left, window_right,
+                    softcap):
     from ..kernels.gluon_attention_bwd import gluon_attention_backward, supported
 
-    masks = dict(causal=causal, softmax_scale=softmax_scale, key_mask=key_mask, segments=segments)
+    masks = _gluon_kwargs(key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
     triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
     if not supported(dout, q, k, v, causal):  # e.g. Sq * Hq * D past 32-bit dQ offsets
         return triton_call()
@@ -157,20 +164,22 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_forward", mutates_args=())
 def gluon_attn_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], segments: Optional[Tensor],
-                       causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    return _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale)
+                       causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                       softcap: float) -> tuple[Tensor, Tensor]:
+    return _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
 
 
 @gluon_attn_forward.register_fake
-def _(q, k, v, key_mask, segments, causal, softmax_scale):
+def _(q, k, v, key_mask, segments, *args):
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_backward", mutates_args=())
 def gluon_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        key_mask: Optional[Tensor], segments: Optional[Tensor], causal: bool,
-                        softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale)
+                        key_mask: Optional[Tensor], segments: Optional[Tensor], causal: bool, softmax_scale: float,
+                        window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale, window_left,
+                           window_right, softcap)
 
 
 @gluon_attn_backward.register_fake
@@ -179,17 +188,17 @@ def _(dout, q, k, v, out, lse, *args):
 
 
 def _gluon_setup_context(ctx, inputs, output):
-    q, k, v, key_mask, segments, causal, scale = inputs
+    q, k, v, key_mask, segments = inputs[:5]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_mask, segments)
-    ctx.args = (causal, scale)
+    ctx.args = inputs[5:]  # causal, scale, window edges, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _gluon_grad(ctx, dout, _dlse):
     q, k, v, out, lse, key_mask, segments = ctx.saved_tensors
     dq, dk, dv = gluon_attn_backward(dout, q, k, v, out, lse, key_mask, segments, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return (dq, dk, dv) + (None,) * 7
 
 
 gluon_attn_forward.register_autograd(_gluon_grad, setup_context=_gluon_setup_context)
@@ -197,9 +206,11 @@ gluon_attn_forward.register_autograd(_gluon_grad, setup_context=_gluon_setup_con
 
 def gluon_attn(q, k, v, params: AttentionParams):
     """Differentiable `(out, lse)` of a dense `[B, S, H, D]` call, causal or not, with or without a key mask or packed
-    segments (no varlen, window, softcap or ALiBi), through the Gluon forward and backward; `backends.GluonBackend`
-    says which calls qualify."""
-    args = (q, k, v, params.key_mask, params.segments, params.causal, params.softmax_scale)
+    segments, a sliding window or a soft-cap (no varlen or ALiBi), through the Gluon forward and backward;
+    `backends.GluonBackend` says which calls qualify."""
+    left, right = params.window_size
+    args = (q, k, v, params.key_mask, params.segments, params.causal, params.softmax_scale, int(left), int(right),
+            float(params.softcap))
     if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                                or v.requires_grad)):
         return _gluon_forward(*args)

@@ -44,6 +44,7 @@ import triton
 
 from .common import nvmma_layout
 from .device import compute_major, on_input_device
+from .flash_attention import _key_mask_arg, _window
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon
@@ -112,15 +113,17 @@ def _stages_o_in_q(head_dim: int, cfg: Config) -> bool:
     return not cfg.persistent or _shared_bytes(head_dim, cfg, True) > SHARED_LIMIT
 
 
-def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0) -> tuple:
-    """(kernel, its constexprs) for one configuration and mask mode (0 none, 1 key mask, 2 packed segments); the
-    launcher and tests/gluon_builds.py share it."""
+def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0, window: bool = False,
+                softcap: bool = False) -> tuple:
+    """(kernel, its constexprs) for one configuration, mask mode (0 none, 1 key mask, 2 packed segments), left window
+    edge and soft-cap; `causal`: keys bounded on the right (causal, or a right window edge). The launcher and
+    tests/gluon_builds.py share it."""
     meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
                 PINGPONG=cfg.pingpong, TMA_STORE=cfg.tma_store)
     if not cfg.persistent:
-        return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode)
-    if mask_mode:
-        raise ValueError("the persistent variant takes no key mask or segments")
+        return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode, WINDOW=bool(window), SOFTCAP=bool(softcap))
+    if mask_mode or window or softcap:
+        raise ValueError("the persistent variant takes no key mask, segments, window or soft-cap")
     meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
     return _attn_fwd_persistent_kernel, meta
 
@@ -139,9 +142,11 @@ if HAS_GLUON:
     _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
 
     @gluon.jit
-    def _key_tiles(m0, seq_q, seq_k, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """Key tiles of the query tile at row m0 -> (tiles to visit, tiles every row sees whole)."""
-        diag = seq_k - seq_q
+    def _key_tiles(m0, seq_k, diag, diag_lo, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW: gl.constexpr = False):
+        """Key tiles of the query tile at row m0 -> (first, end, u0, u1): visit tiles first..end-1, of which every
+        row sees u0..u1-1 whole. Row i sees keys up to i + diag (CAUSAL: causal or a right window edge) and from
+        i + diag_lo on (WINDOW: a left window edge)."""
         if CAUSAL:
             key_end = gl.minimum(seq_k, m0 + TILE_M + diag)  # keys past it are hidden from every row of the tile
             full_end = gl.minimum(seq_k, m0 + 1 + diag)  # keys before it are visible to every row
@@ -150,28 +155,33 @@ if HAS_GLUON:
             full_end = seq_k
         n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
         n_full = gl.maximum(full_end, 0) // BLOCK_N
-        return n_tiles, n_full
-
-    @gluon.jit
-    def _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, n_tiles, n_full, TILE_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, MASK_MODE: gl.constexpr):
-        """Key tiles of the query tile at row m0 -> (first, end, u0, u1): visit tiles first..end-1, masked but for
-        u0..u1-1, which every row of the tile sees whole. MASK_MODE 0 and 1 (key mask: the tiles u0..u1-1 check
-        their keys' entries): `_key_tiles`; 2 (packed segments, Sq == Sk): only the keys of the segments of the
-        tile's rows. A segment's tokens
-        are contiguous and its start / end (planes 1 / 2 of the table) do not decrease along the sequence, so the
-        tile's first row has the smallest start and end, its last row the largest."""
-        if MASK_MODE == 2:
-            seg = km_ptr + b * km_b
-            m_last = gl.minimum(m0 + TILE_M, seq_q) - 1
-            first = gl.load(seg + km_plane + m0) // BLOCK_N
-            n_tiles = gl.minimum(n_tiles, gl.cdiv(gl.load(seg + 2 * km_plane + m_last), BLOCK_N))
-            u0 = gl.minimum(gl.maximum(gl.cdiv(gl.load(seg + km_plane + m_last), BLOCK_N), first + 1), n_tiles)
-            u1 = gl.maximum(gl.minimum(n_full, gl.load(seg + 2 * km_plane + m0) // BLOCK_N), u0)
+        if WINDOW:
+            first = gl.maximum(m0 + diag_lo, 0) // BLOCK_N
+            # keys from the last row's left edge on are visible to every row
+            u0 = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(m0 + TILE_M - 1 + diag_lo, 0), BLOCK_N), first + 1),
+                            n_tiles)
         else:
             first = 0
             u0 = 1
-            u1 = gl.maximum(n_full, 1)
+        return first, n_tiles, u0, gl.maximum(n_full, u0)
+
+    @gluon.jit
+    def _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, seq_k, diag, diag_lo, TILE_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, MASK_MODE: gl.constexpr):
+        """Key tiles of the query tile at row m0 -> (first, end, u0, u1) as `_key_tiles`, for MASK_MODE 0 and 1 (key
+        mask: the tiles u0..u1-1 check their keys' entries); 2 (packed segments, Sq == Sk): only the keys of the
+        segments of the tile's rows. A segment's tokens are contiguous and its start / end (planes 1 / 2 of the
+        table) do not decrease along the sequence, so the tile's first row has the smallest start and end, its last
+        row the largest."""
+        first, n_tiles, u0, u1 = _key_tiles(m0, seq_k, diag, diag_lo, TILE_M, BLOCK_N, CAUSAL, WINDOW)
+        if MASK_MODE == 2:
+            seg = km_ptr + b * km_b
+            m_last = gl.minimum(m0 + TILE_M, seq_q) - 1
+            first = gl.maximum(first, gl.load(seg + km_plane + m0) // BLOCK_N)
+            n_tiles = gl.minimum(n_tiles, gl.cdiv(gl.load(seg + 2 * km_plane + m_last), BLOCK_N))
+            u0 = gl.minimum(gl.maximum(gl.maximum(gl.cdiv(gl.load(seg + km_plane + m_last), BLOCK_N), u0), first + 1),
+                            n_tiles)
+            u1 = gl.maximum(gl.minimum(u1, gl.load(seg + 2 * km_plane + m0) // BLOCK_N), u0)
         return first, n_tiles, u0, u1
 
     @gluon.jit
@@ -228,17 +238,28 @@ if HAS_GLUON:
             mbarrier.arrive(turns.index(1 - WARPGROUP), count=1)
 
     @gluon.jit
-    def _online_softmax(s, m_i, l_i, qk_scale, rows, key0, seq_k, diag, key_ok, seg_lo, seg_hi,
+    def _tanh(x):
+        # from exp2 (2.885... = 2 log2(e)), exact limits +-1 (exp2 overflows to inf: 2 / inf = 0);
+        # tanh.approx.f32 would be off by up to 2^-11
+        return 1.0 - gl.fdiv(gl.full_like(x, 2.0), gl.exp2(x * 2.8853900817779268) + 1.0)
+
+    @gluon.jit
+    def _online_softmax(s, m_i, l_i, qk_scale, rows, key0, seq_k, diag, diag_lo, cap_scale, key_ok, seg_lo, seg_hi,
                         s_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                        MASK_MODE: gl.constexpr):
+                        MASK_MODE: gl.constexpr, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         """Scores of one key tile -> (P unnormalized, the factor for the running output, new max, new sum);
         the max lives in the scaled log2 domain. Masks: key_ok (MASK_MODE 1, per key), each row's segment keys
-        seg_lo..seg_hi-1 (MASK_MODE 2)."""
+        seg_lo..seg_hi-1 (MASK_MODE 2), keys before row + diag_lo (WINDOW). SOFTCAP: scores tanh(s * cap_scale),
+        qk_scale then being softcap * log2(e)."""
+        if SOFTCAP:
+            s = _tanh(s * cap_scale)
         if MASKED:
             keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             visible = gl.expand_dims(keys < seq_k, 0)
             if CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diag, 1))
+            if WINDOW:
+                visible = visible & (gl.expand_dims(keys, 0) >= gl.expand_dims(rows + diag_lo, 1))
             if MASK_MODE == 1:
                 visible = visible & gl.expand_dims(key_ok, 0)
             if MASK_MODE == 2:
@@ -263,9 +284,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attend(j, c, t, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turns, o, p, m_i, l_i, qk_scale, rows,
-                seq_k, diag, km_row, seg_lo, seg_hi, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr, MASK_MODE: gl.constexpr):
+                seq_k, diag, diag_lo, cap_scale, km_row, seg_lo, seg_hi, s_layout: gl.constexpr,
+                o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                CAUSAL: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr, MASK_MODE: gl.constexpr,
+                WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         """Key tile j (ring position c, ping-pong turn t): S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} in flight
         together, softmax of S_j under the P.V (and a key mask's load under both wgmmas)."""
         slot = c % STAGES
@@ -286,15 +308,16 @@ if HAS_GLUON:
         if MASK_MODE == 1 and not MASKED:  # a tile the rows see whole unless keys are padding: mask only if so
             if gl.min(key_ok.to(gl.int32), axis=0) > 0:
                 p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag,
-                                                         key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, False, CAUSAL,
-                                                         MASK_MODE)
+                                                         diag_lo, cap_scale, key_ok, seg_lo, seg_hi, s_layout,
+                                                         BLOCK_N, False, CAUSAL, MASK_MODE, WINDOW, SOFTCAP)
             else:
                 p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag,
-                                                         key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL,
-                                                         MASK_MODE)
+                                                         diag_lo, cap_scale, key_ok, seg_lo, seg_hi, s_layout,
+                                                         BLOCK_N, True, CAUSAL, MASK_MODE, WINDOW, SOFTCAP)
         else:
-            p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, key_ok,
-                                                     seg_lo, seg_hi, s_layout, BLOCK_N, MASKED, CAUSAL, MASK_MODE)
+            p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, diag_lo,
+                                                     cap_scale, key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, MASKED,
+                                                     CAUSAL, MASK_MODE, WINDOW, SOFTCAP)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # P stays live until its wgmma has read it
         mbarrier.arrive(kv_empty.index(prev), count=1)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -317,7 +340,8 @@ if HAS_GLUON:
                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, out_desc=None, o_smem=None, q_empty=None,
                   q_phase=0, kv0=0, turn0=0, TMA_STORE: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
                   O_BUFFER: gl.constexpr = False, first=0, u0=1, km_ptr=None, km_b=0, km_plane=0,
-                  MASK_MODE: gl.constexpr = 0):
+                  MASK_MODE: gl.constexpr = 0, diag_lo=0, cap_scale=1.0, WINDOW: gl.constexpr = False,
+                  SOFTCAP: gl.constexpr = False):
         """One warpgroup's 64 rows of one query tile: key tiles first..n_tiles-1, unmasked u0..u1-1 (see
         `_tile_plan`). kv0 / turn0: K/V tiles / ping-pong turns this CTA went
         through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
@@ -371,25 +395,26 @@ if HAS_GLUON:
             else:
                 key_ok = None
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, first * BLOCK_N, seq_k, diag, key_ok,
-                                                 seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL, MASK_MODE)
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, first * BLOCK_N, seq_k, diag, diag_lo,
+                                                 cap_scale, key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL,
+                                                 MASK_MODE, WINDOW, SOFTCAP)
             p = gl.convert_layout(p.to(q.dtype), p_layout)
-            if MASK_MODE == 2:  # tiles before u0 start inside some row's segment
+            if MASK_MODE == 2 or WINDOW:  # tiles before u0 start inside some row's segment or window
                 for j in range(first + 1, u0):
                     o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                             turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo,
-                                             seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL, WARPGROUP,
-                                             PINGPONG, MASK_MODE)
+                                             turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo,
+                                             cap_scale, km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES,
+                                             True, CAUSAL, WARPGROUP, PINGPONG, MASK_MODE, WINDOW, SOFTCAP)
             for j in range(u0, u1):  # tiles every row sees whole (key mask: unless some of their keys are padding)
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo,
-                                         seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL, WARPGROUP,
-                                         PINGPONG, MASK_MODE)
+                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
+                                         km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL,
+                                         WARPGROUP, PINGPONG, MASK_MODE, WINDOW, SOFTCAP)
             for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, km_row, seg_lo, seg_hi,
-                                         s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL, WARPGROUP, PINGPONG,
-                                         MASK_MODE)
+                                         turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
+                                         km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL,
+                                         WARPGROUP, PINGPONG, MASK_MODE, WINDOW, SOFTCAP)
             if RELEASE_Q_EARLY:  # every Q.K^T has completed
                 mbarrier.arrive(q_empty, count=1)
             last = (kvb + n_tiles - 1) % STAGES
@@ -439,7 +464,7 @@ if HAS_GLUON:
             h = bh % num_heads
             hk = h // group
             m0 = tile * TILE_M
-            n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+            first, n_tiles, u0, u1 = _key_tiles(m0, seq_k, seq_k - seq_q, 0, TILE_M, BLOCK_N, CAUSAL)
             kv_row = b * kv_row_b + hk * kv_row_h
             # the ring slots the last item has already freed (all but its last tile's) before Q, which is free
             # only after the last item's final Q.K^T (or its store, with O staged in Q's buffer); the rest after Q
@@ -466,10 +491,10 @@ if HAS_GLUON:
         for t in range(gl.program_id(0), n_m_tiles * n_bh, gl.num_programs(0)):
             tile, bh = _work_item(t, n_m_tiles, n_bh, CAUSAL)
             m0 = tile * TILE_M
-            n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+            first, n_tiles, u0, u1 = _key_tiles(m0, seq_k, seq_k - seq_q, 0, TILE_M, BLOCK_N, CAUSAL)
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
-                      bh // num_heads, bh % num_heads, seq_q, seq_k, num_heads, seq_k - seq_q, n_tiles,
-                      gl.maximum(n_full, 1), qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
+                      bh // num_heads, bh % num_heads, seq_q, seq_k, num_heads, seq_k - seq_q, n_tiles, u1, qk_scale,
+                      WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
                       out_desc, o_smem, q_empty, item & 1, kv0, turn0, TMA_STORE, True, O_BUFFER)
             kv0 += n_tiles
             if n_tiles > 0:  # issue points per item: one per key tile and the last P.V
@@ -500,13 +525,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, km_ptr, km_b, km_plane, seq_q, seq_k,
-                         num_heads, group, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
-                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         num_heads, group, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale, diag,
+                         diag_lo, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                         MASK_MODE: gl.constexpr = 0):
+                         MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
         MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
-        of `flash_attention.segment_table` (plane stride km_plane); 0: None."""
+        of `flash_attention.segment_table` (plane stride km_plane); 0: None. Row i sees keys up to i + diag with
+        CAUSAL (diag = Sk - Sq + the right window edge) and from i + diag_lo on with WINDOW (diag_lo = Sk - Sq - the
+        left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e)."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         TILE_M: gl.constexpr = 2 * ROWS
         pid_m = gl.program_id(0)
@@ -517,10 +544,8 @@ if HAS_GLUON:
         h = bh % num_heads
         hk = h // group
         m0 = pid_m * TILE_M
-        n_tiles, n_full = _key_tiles(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-        first, n_tiles, u0, u1 = _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, n_tiles, n_full, TILE_M, BLOCK_N,
-                                            MASK_MODE)
-        diag = seq_k - seq_q
+        first, n_tiles, u0, u1 = _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, seq_k, diag, diag_lo, TILE_M,
+                                            BLOCK_N, CAUSAL, WINDOW, MASK_MODE)
 
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = _allocate(q_desc, k_desc, v_desc,
                                                                                        STAGES)
@@ -530,11 +555,11 @@ if HAS_GLUON:
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                          seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
                          CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                         km_ptr, km_b, km_plane, MASK_MODE)),
+                         km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
             (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                          seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
                          CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                         km_ptr, km_b, km_plane, MASK_MODE)),
+                         km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], _REGS)
@@ -624,16 +649,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
 @on_input_device
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                             softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
-                            segments: torch.Tensor | None = None,
-                            variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            segments: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
+                            softcap: float = 0.0, variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q.k^T * scale).v -> (out like q, lse fp32 [B, Hq, Sq] in natural log) for q [B, Sq, Hq, D] and
     k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn. `key_mask`
     [B, Sk]: keys whose entry is > 0 are attended (padding); `segments`: packed sequences, the table of
-    `flash_attention.segment_table` (Sq == Sk); rows that see no key give 0 and lse -inf. `variant` replaces
+    `flash_attention.segment_table` (Sq == Sk); `window_size` (left, right), -1 unbounded: query i sees keys
+    i + Sk - Sq - left .. i + Sk - Sq + right (flash-attn's sliding window); `softcap` > 0: scores softcap *
+    tanh(scores / softcap) (Gemma-2). Rows that see no key give 0 and lse -inf. `variant` replaces
     `config(D, causal)` (see `variants`)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     check_inputs(q, k, v, softmax_scale)
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     km, km_b, km_plane, mask_mode = mask_args(key_mask, segments, B, Sq, Sk, q.device)
@@ -645,6 +674,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return out.zero_(), lse.fill_(float("-inf"))
 
     cfg = variant if variant is not None else config(D, bool(causal))
+    left, right = _window(causal, window_size)
+    diag = Sk - Sq
+    qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q2, (q_row_b, q_row_h, q_col_h) = _row_view(q)
     k2, (kv_row_b, kv_row_h, kv_col_h) = _row_view(k)
@@ -660,23 +692,23 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
     out_desc = _out_descriptor(out, elem) if cfg.tma_store else None
 
-    kernel, meta = kernel_args(D, bool(causal), cfg, mask_mode)
+    kernel, meta = kernel_args(D, right >= 0, cfg, mask_mode, left >= 0, softcap > 0)
     n_m_tiles = triton.cdiv(Sq, BLOCK_M)
     head_args = (Sq, Sk, Hq, Hq // Hkv) + ((B * Hq, ) if cfg.persistent else ())
+    tail = () if cfg.persistent else (diag + max(right, 0), diag - left, cap_scale)
     if not cfg.persistent:
         head_args = (km, km_b, km_plane) + head_args
     # persistent: one CTA per SM at most (one fits per SM), each loops over work items
     grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
     kernel[grid](q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
-                 kv_row_b, kv_row_h, kv_col_h, softmax_scale * LOG2E, **meta, num_warps=4, maxnreg=MAXNREG)
+                 kv_row_b, kv_row_h, kv_col_h, qk_scale, *tail, **meta, num_warps=4, maxnreg=MAXNREG)
     return out, lse
+
 
 
 def mask_args(key_mask, segments, batch, seq_q, seq_k, device) -> tuple:
     """(tensor, batch stride, plane stride, MASK_MODE) of a key mask (as one byte per key: the kernels load a tile's
     worth per key tile) or a segment table, checked as the Triton kernel checks them; (None, 0, 0, 0) for neither."""
-    from .flash_attention import _key_mask_arg
-
     if key_mask is not None and key_mask.dtype not in (torch.bool, torch.uint8):
         key_mask = key_mask > 0
     return _key_mask_arg(key_mask, segments, batch, seq_q, seq_k, device)

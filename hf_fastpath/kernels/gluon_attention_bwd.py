@@ -121,21 +121,24 @@ if HAS_GLUON:
         return gl.load(lse2_ptr + off, mask=ok, other=float("inf")), gl.load(delta_ptr + off, mask=ok, other=0.0)
 
     @gluon.jit
-    def _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane, BLOCK_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr):
+    def _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane, diag, diag_lo, BLOCK_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr):
         """This CTA's work: keys n0.. of (batch b, kv-head hk), the query heads h0.. of its GQA group, and per head
         the query tiles m_start..m_end-1 that see those keys -> (b, hk, h0, n0, m_start, m_end, iterations).
-        Packed segments (MASK_MODE 2, Sq == Sk): only the queries of the keys' segments, from the segment start of
-        the first key to the segment end of the last (a segment's tokens are contiguous)."""
+        Query i sees keys up to i + diag (CAUSAL) and from i + diag_lo (WINDOW) on. Packed segments (MASK_MODE 2,
+        Sq == Sk): only the queries of the keys' segments, from the segment start of the first key to the segment
+        end of the last (a segment's tokens are contiguous)."""
         bh = gl.program_id(1)
         b = bh // num_kv_heads
         hk = bh % num_kv_heads
         n0 = gl.program_id(0) * BLOCK_N
-        if CAUSAL:  # the first query that sees key n0 is n0 - (Sk - Sq), bottom-right aligned
-            m_start = gl.maximum(n0 - (seq_k - seq_q), 0) // BLOCK_M
+        if CAUSAL:  # the first query that sees key n0 is n0 - diag (bottom-right aligned)
+            m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
         else:
             m_start = 0
         m_end = gl.cdiv(seq_q, BLOCK_M)
+        if WINDOW:  # the last query that sees the last key is that key - diag_lo
+            m_end = gl.minimum(m_end, gl.cdiv(gl.maximum(gl.minimum(n0 + BLOCK_N, seq_k) - diag_lo, 0), BLOCK_M))
         if MASK_MODE == 2:
             seg = km_ptr + b * km_b
             m_start = gl.maximum(m_start, gl.load(seg + km_plane + n0) // BLOCK_M)
@@ -151,48 +154,59 @@ if HAS_GLUON:
         return h + last, (mt + 1) * (1 - last) + m_start * last
 
     @gluon.jit
-    def _visible_span(km_keys, km_plane, keys, seq_q, seq_k, diag, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr):
+    def _visible_span(km_keys, km_plane, keys, seq_q, seq_k, diag, diag_lo, CAUSAL: gl.constexpr,
+                      MASK_MODE: gl.constexpr, WINDOW: gl.constexpr):
         """The queries that see each key, as (base, span): queries base..base+span-1, span 0 for none. Causality,
-        the sequence ends and the mask in two registers a key: key mask (MASK_MODE 1, km_keys its entries): causal
-        base = key - (Sk - Sq) up to Sq, else all of 0..Sq-1, for a real key; packed (2, km_keys the keys' columns of
-        the segment table): the key's segment (its start, or the key itself when causal, to its segment's end)."""
+        a window, the sequence ends and the mask in two registers a key: causal base = key - diag, else 0; the end
+        Sq, with a window key - diag_lo + 1 at most; key mask (MASK_MODE 1, km_keys its entries): span 0 for a
+        padding key; packed (2, km_keys the keys' columns of the segment table): within the key's segment."""
         real = keys < seq_k
+        if CAUSAL:
+            base = keys - diag
+        else:
+            base = gl.zeros_like(keys)
+        end = gl.full_like(keys, seq_q)
         if MASK_MODE == 1:
             real = real & (gl.load(km_keys, mask=real, other=0) > 0)
-            if CAUSAL:
-                base = keys - diag
-            else:
-                base = gl.zeros_like(keys)
-            end = gl.full_like(keys, seq_q)
-        else:
-            if CAUSAL:
-                base = keys
-            else:
-                base = gl.load(km_keys + km_plane, mask=real, other=0)
+        if MASK_MODE == 2:
+            base = gl.maximum(base, gl.load(km_keys + km_plane, mask=real, other=0))
             end = gl.load(km_keys + 2 * km_plane, mask=real, other=0)
+        if WINDOW:
+            end = gl.minimum(end, keys - diag_lo + 1)
         return base, gl.where(real, gl.maximum(end - base, 0), 0)
 
     @gluon.jit
     def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, key_base, key_span,
-                   m0, seq_q, diag, qk_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
-                   MASK_MODE: gl.constexpr):
+                   m0, seq_q, diag, qk_scale, cap_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
+                   SPANS: gl.constexpr, SOFTCAP: gl.constexpr):
         """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
         dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired. Visible:
-        key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with a mask (MASK_MODE 1 / 2) the queries
-        key_base..key_base+key_span-1 of each key instead (`_visible_span`)."""
+        key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with SPANS (a mask or a window) the queries
+        key_base..key_base+key_span-1 of each key instead (`_visible_span`). SOFTCAP: scores softcap * tanh(s *
+        cap_scale) with qk_scale = softcap * log2(e); dS^T gains the factor 1 - tanh^2."""
         dtype: gl.constexpr = q_tile.dtype
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         KEYS: gl.constexpr = ds_smem.type.shape[0]
         QUERIES: gl.constexpr = ds_smem.type.shape[1]
         st_zero = gl.zeros([KEYS, QUERIES], gl.float32, st_layout)
-        # the accumulator starts at -lse2 / qk_scale (rows with no visible key: -inf), so P^T = exp2(acc * qk_scale)
-        lse2 = gl.convert_layout(lse2, col_layout)  # from the compact layout, only now: fewer live registers
-        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero - gl.expand_dims(lse2 * (1.0 / qk_scale), 0),
-                           is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        if SOFTCAP:  # the cap comes before lse2 is subtracted: no fold
+            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+            st = _fwd._tanh(st * cap_scale)
+            # 1 - tanh^2 waits for dP^T in this warpgroup's dS^T tile (free until dS^T): in registers, even in 16
+            # bits, hd128 spilled 520+ bytes (ptxas 3.6). Each thread reads back its own elements: no barrier
+            ds_smem.store((1.0 - st * st).to(dtype))
+            lse2 = gl.convert_layout(lse2, col_layout)  # from the compact layout, only now: fewer live registers
+            st = st - gl.expand_dims(lse2 * (1.0 / qk_scale), 0)
+        else:
+            lse2 = gl.convert_layout(lse2, col_layout)
+            # the accumulator starts at -lse2 / qk_scale (rows with no visible key: -inf): P^T = exp2(acc * qk_scale)
+            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero - gl.expand_dims(lse2 * (1.0 / qk_scale), 0),
+                               is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         rows = m0 + gl.arange(0, QUERIES, layout=col_layout)
-        if MASK_MODE:  # one unsigned compare: rows below key_base wrap around to large values
+        if SPANS:  # one unsigned compare: rows below key_base wrap around to large values
             visible = (gl.expand_dims(rows, 0) - gl.expand_dims(key_base, 1)).to(gl.uint32, bitcast=True) \
                 < gl.expand_dims(key_span, 1).to(gl.uint32, bitcast=True)
         else:
@@ -209,6 +223,8 @@ if HAS_GLUON:
         dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
         dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * dpt
+        if SOFTCAP:
+            dst = dst * ds_smem.load(st_layout).to(gl.float32)
         dst16 = dst.to(dtype)
         ds_smem.store(dst16)
         dst16 = gl.convert_layout(dst16, a_layout)
@@ -245,9 +261,10 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
                   dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0, n0, m_start, m_end,
-                  n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, WG: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                  KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr):
+                  n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag, diag_lo, cap_scale,
+                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
         both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
         split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
@@ -263,12 +280,16 @@ if HAS_GLUON:
         row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         k_w = k_smem.slice(WG * ROWS, ROWS, dim=0)
         v_w = v_smem.slice(WG * ROWS, ROWS, dim=0)
-        diag = seq_k - seq_q
         keys = n0 + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
         key_ok = gl.expand_dims(keys < seq_k, 1)
-        if MASK_MODE:  # each key's visible queries as one interval base..base+span-1 (see `_visible_span`)
-            key_base, key_span = _visible_span(km_ptr + b * km_b + keys, km_plane, keys, seq_q, seq_k, diag, CAUSAL,
-                                               MASK_MODE)
+        SPANS: gl.constexpr = MASK_MODE != 0 or WINDOW
+        if SPANS:  # each key's visible queries as one interval base..base+span-1 (see `_visible_span`)
+            if MASK_MODE:
+                km_keys = km_ptr + b * km_b + keys
+            else:
+                km_keys = None
+            key_base, key_span = _visible_span(km_keys, km_plane, keys, seq_q, seq_k, diag, diag_lo, CAUSAL,
+                                               MASK_MODE, WINDOW)
         else:
             key_base = None
             key_span = None
@@ -299,7 +320,8 @@ if HAS_GLUON:
             ds_all = ds_smem.index(it % 2)  # [keys of both warpgroups, queries]: the other warpgroup reads it too
             ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
             dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, key_base,
-                                key_span, mt * BLOCK_M, seq_q, diag, qk_scale, st_layout, CAUSAL, MASK_MODE)
+                                key_span, mt * BLOCK_M, seq_q, diag, qk_scale, cap_scale, st_layout, CAUSAL, SPANS,
+                                SOFTCAP)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             dslot = it % 2
             # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after this
@@ -371,9 +393,10 @@ if HAS_GLUON:
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                          km_ptr, km_b, km_plane, seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
-                         do_row_b, do_row_h, do_col_h, qk_scale, sm_scale,
+                         do_row_b, do_row_h, do_col_h, qk_scale, sm_scale, diag, diag_lo, cap_scale,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0):
+                         KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False,
+                         SOFTCAP: gl.constexpr = False):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
         dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`). Masks as in the forward (MASK_MODE 1: km_ptr a
         uint8 key mask, 2: the segment table; 0: None)."""
@@ -381,7 +404,8 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
         b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane,
-                                                            BLOCK_N, BLOCK_M, CAUSAL, MASK_MODE)
+                                                            diag, diag_lo, BLOCK_N, BLOCK_M, CAUSAL, MASK_MODE,
+                                                            WINDOW)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -409,12 +433,14 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
-                         n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 0,
-                         HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE)),
+                         n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
+                         diag_lo, cap_scale, 0, HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE, WINDOW,
+                         SOFTCAP)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
-                         n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, 1,
-                         HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE)),
+                         n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
+                         diag_lo, cap_scale, 1, HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE, WINDOW,
+                         SOFTCAP)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                                ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
                                num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
@@ -422,16 +448,21 @@ if HAS_GLUON:
         ], [4, 4], _WS_REGS)
 
 
-def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0) -> tuple:
-    """(kernel, its constexprs) of a variant and mask mode (0 none, 1 key mask, 2 packed segments); the launcher and
-    tests/gluon_bwd_builds.py share it."""
+def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0, window: bool = False,
+                softcap: bool = False) -> tuple:
+    """(kernel, its constexprs) of a variant, mask mode (0 none, 1 key mask, 2 packed segments), left window edge and
+    soft-cap;
+    `causal`: keys bounded on the right (causal, or a right window edge). The launcher and tests/gluon_bwd_builds.py
+    share it."""
     cfg = launch(variant)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
-                                  KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode)
+                                  KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode, WINDOW=bool(window),
+                                  SOFTCAP=bool(softcap))
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
-    """Whether `gluon_attention_backward` takes these inputs on this machine (else the caller falls back)."""
+    """Whether `gluon_attention_backward` takes these inputs on this machine (else the caller falls back: the Triton
+    backward takes the Gluon forward's LSE)."""
     return (_fwd.supported(q, k, v, causal) and dout.shape == q.shape and dout.dtype == q.dtype
             and dout.device == q.device and _offsets_fit(q))
 
@@ -462,16 +493,19 @@ def _offsets_fit(q: torch.Tensor) -> bool:
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                              softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
-                             segments: torch.Tensor | None = None,
+                             segments: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
+                             softcap: float = 0.0,
                              variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
     [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right;
-    `key_mask` / `segments` as in `gluon_attention_forward`. `variant`: one of `VARIANTS` (default:
-    `DEFAULT_VARIANTS` by head dim)."""
+    `key_mask` / `segments` / `window_size` / `softcap` as in `gluon_attention_forward`. `variant`: one of
+    `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
     _check(dout, q, k, v, out, lse, softmax_scale)
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
     variant = variant or DEFAULT_VARIANTS[q.shape[-1]]
     cfg = launch(variant)
     from .flash_attention import _bwd_preprocess, _strides4  # the plain-Triton preprocess (delta, lse2)
@@ -500,7 +534,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     do2, do_map = _fwd._row_view(dout)
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
-    kernel, meta = kernel_args(D, bool(causal), variant, mask_mode)
+    left, right = _fwd._window(causal, window_size)
+    kernel, meta = kernel_args(D, right >= 0, variant, mask_mode, left >= 0, softcap > 0)
+    qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
     qm_block, kn_block = [cfg.block_m[D], D], [BLOCK_N, D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
     kn_layout = nvmma_layout(tuple(kn_block), elem)
@@ -513,7 +549,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
     kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, km, km_b, km_plane, Sq, Sk, Hq, Hkv,
                  Hq // Hkv,
-                 *q_map, *k_map, *v_map, *do_map, softmax_scale * LOG2E, softmax_scale, **meta,
+                 *q_map, *k_map, *v_map, *do_map, qk_scale, softmax_scale, Sk - Sq + max(right, 0), Sk - Sq - left,
+                 cap_scale, **meta,
                  num_warps=4, maxnreg=MAXNREG)
     torch.mul(dq_acc, softmax_scale, out=dq)  # one pass: scaled and cast
     return dq, dk, dv

@@ -1,5 +1,6 @@
-"""GPU checks of the Gluon Hopper attention forward and backward with a padding mask (`key_mask`) or packed sequences
-(`segments`) against float64 (run on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_masks_gpu.py`).
+"""GPU checks of the Gluon Hopper attention forward and backward with a padding mask (`key_mask`), packed sequences
+(`segments`), a sliding window (`window_size`) or a soft-cap (`softcap`), alone and together, against float64 (run
+on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_masks_gpu.py`).
 Skipped without an sm_90 GPU. Forward: out within 1e-2 (relative), lse within 2e-3, rows that see no key exactly 0
 with lse -inf. Backward: each gradient's relative error within 2x our plain-Triton backward's on the same out / lse
 (plus a small floor), and exactly 0 for queries that see no key.
@@ -140,6 +141,49 @@ def test_repeat_runs_are_bitwise_equal():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+WINDOWS = {"causal w0": (True, (0, -1)), "causal w63": (True, (63, -1)), "causal w200": (True, (200, -1)),
+           "causal w1000": (True, (1000, -1)), "full w50": (False, (50, -1)), "full w100 r40": (False, (100, 40)),
+           "full r0": (False, (-1, 0))}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", list(WINDOWS))
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (129, 129), (1000, 1000), (2049, 2049), (17, 1000),
+                                    (1000, 129)])
+def test_window(sq, sk, window, d):
+    # Mistral / Gemma-2 windows (causal, a left edge) and flash-attn's general (left, right) ones, bottom-right
+    # aligned when Sq != Sk; rows that see no key (Sq > Sk, or a window past the keys) give 0
+    causal, size = WINDOWS[window]
+    b = 2
+    q, k, v, dout = attention_inputs(b, sq, sk, 8, 2, d, dout=True, seed=sq + 3 * sk)
+    _check(f"window {window} sq={sq} sk={sk} d={d}", q, k, v, dout, causal, dict(window_size=size))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("softcap", [1.5, 30.0])  # 1.5: most scores in tanh's bend; 30: nearly linear
+@pytest.mark.parametrize("window", [None, (200, -1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s", [17, 300, 2049])
+def test_softcap(s, causal, window, softcap, d):
+    q, k, v, dout = attention_inputs(2, s, s, 8, 2, d, dout=True, seed=s + d)
+    masks = dict(softcap=softcap) if window is None else dict(softcap=softcap, window_size=window)
+    _check(f"softcap {softcap} window={window} s={s} causal={causal} d={d}", q, k, v, dout, causal, masks)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_with_masks(d):
+    # a window together with padding or packed sequences (Gemma-2 / Mistral batches), soft-cap too
+    q, k, v, dout = attention_inputs(3, 1000, 1000, 8, 2, d, dout=True, seed=11)
+    for kind in ("right", "holes", "empty"):
+        _check(f"window + key_mask {kind} d={d}", q, k, v, dout, True,
+               dict(window_size=(150, -1), key_mask=key_mask(3, 1000, kind, seed=3)))
+    for kind in ("random", "long", "ones"):
+        _check(f"window + segments {kind} d={d}", q, k, v, dout, True,
+               dict(window_size=(150, -1), segments=segment_table(segment_ids(3, 1000, kind, seed=4))))
+    _check(f"window + segments + softcap d={d}", q, k, v, dout, True,
+           dict(window_size=(300, -1), softcap=5.0, segments=segment_table(segment_ids(3, 1000, "random", seed=5))))
+
+
 def test_rejects_bad_masks_with_a_clear_error():
     q, k, v = attention_inputs(2, 16, 16, 4, 4, 64)
     with pytest.raises(ValueError, match="key_mask must be"):
@@ -149,3 +193,5 @@ def test_rejects_bad_masks_with_a_clear_error():
     with pytest.raises(ValueError, match="not both"):
         ga.gluon_attention_forward(q, k, v, key_mask=torch.ones(2, 16, device="cuda"),
                                    segments=segment_table(segment_ids(2, 16, "one")))
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        ga.gluon_attention_forward(q, k, v, softcap=-1.0)
