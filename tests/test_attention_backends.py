@@ -330,6 +330,12 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
         assert select_backend("auto", q, k, v, masked).name == "gluon"
         _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=1.1)])
         assert select_backend("auto", q, k, v, masked).name == "triton"
+    # a sliding window or soft-cap (Mistral, Gemma-2): SDPA does not take it; Gluon where the row says it is faster
+    for capped in (plain._replace(window_size=(7, 0)), plain._replace(softcap=30.0)):
+        _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=0.7)])
+        assert select_backend("auto", q, k, v, capped).name == "gluon"
+        _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=1.1)])
+        assert select_backend("auto", q, k, v, capped).name == "triton"
     # rows measured with masks decide masked calls where the table has them (the plain rows, plain calls)
     q64, k64, v64 = _qkv(b=2, s=16, hq=4, hkv=2, d=64, grad=False)
     _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7),
