@@ -272,7 +272,8 @@ def plot(path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in json.load(open(path))["rows"] if r.get("ratio")]
+    data = json.load(open(path))
+    rows = [r for r in data["rows"] if r.get("ratio")]
     labels = [f"{r['workflow']} {r['dtype']} {r['shape']}" for r in rows]
     ratios = [r["ratio"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) + 1.5))
@@ -282,7 +283,8 @@ def plot(path):
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("fastpath / sdpa (throughput; > 1: fastpath faster)")
-    ax.set_title("End to end, Llama-3-8B shape, H200")
+    ax.set_title(f"End to end, {data['meta'].get('model', 'Llama-3-8B shape').split(',')[0]}, "
+                 f"{data['meta'].get('layers', 4)} layers, H200")
     fig.tight_layout()
     png = os.path.splitext(path)[0] + ".png"
     fig.savefig(png, dpi=130)
