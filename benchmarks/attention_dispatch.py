@@ -105,8 +105,10 @@ def _try(label, fn, graph=False):
         return None
 
 
-def bench_prefill(rows):
+def bench_prefill(rows, head_dims=None):
     for d, hq, hkv, seqs in PREFILL:
+        if head_dims and d not in head_dims:
+            continue
         for s in seqs:
             b = max(1, TOKENS // s)
             for causal in (True, False):
@@ -229,6 +231,7 @@ def main():
     ap.add_argument("--plot", help="PNG from this results JSON")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--only", choices=("prefill", "decode"))
+    ap.add_argument("--head-dims", type=int, nargs="*", help="prefill / train rows of these head dims only")
     ap.add_argument("--write-table", metavar="RESULTS", help="write the package's dispatch table from this JSON")
     args = ap.parse_args()
     if args.plot:
@@ -248,7 +251,7 @@ def main():
     rows.meta = meta
     try:
         if args.only != "decode":
-            bench_prefill(rows)
+            bench_prefill(rows, args.head_dims)
         if args.only != "prefill":
             bench_decode(rows)
             sweep_decode_configs(rows)

@@ -67,14 +67,15 @@ def cases():
             yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, None, 0,
                    False, False)
     yield "fwd hd128 causal fp16", 128, True, torch.float16, None, 0, False, False
-    for head_dim, causal in ((128, False), (128, True), (64, True)):
+    for head_dim, causal in ((128, False), (128, True), (64, True), (256, True)):
         for mode, what in ((1, "keymask"), (2, "packed")):
             yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 {what}", head_dim, causal, torch.bfloat16,
                    None, mode, False, False)
     for head_dim in ga.HEAD_DIMS:  # Mistral / Gemma-2 shapes: causal with a left edge, soft-cap, both
         yield f"fwd hd{head_dim} causal bf16 window", head_dim, True, torch.bfloat16, None, 0, True, False
         yield f"fwd hd{head_dim} causal bf16 softcap", head_dim, True, torch.bfloat16, None, 0, False, True
-    yield "fwd hd128 causal bf16 window softcap", 128, True, torch.bfloat16, None, 0, True, True
+    for head_dim in (128, 256):
+        yield f"fwd hd{head_dim} causal bf16 window softcap", head_dim, True, torch.bfloat16, None, 0, True, True
     yield "fwd hd128 full bf16 window", 128, False, torch.bfloat16, None, 0, True, False
     yield "fwd hd128 causal bf16 window packed", 128, True, torch.bfloat16, None, 2, True, False
     yield "fwd hd128 causal bf16 window keymask softcap", 128, True, torch.bfloat16, None, 1, True, True

@@ -30,6 +30,7 @@ def test_gluon_attention_builds_for_sm90():
             for d, kind in ((64, "causal"), (128, "causal"), (128, "full"))} <= names
     assert {f"fwd hd{d} causal bf16 {what}" for d in ga.HEAD_DIMS for what in ("window", "softcap")} <= names
     assert {"fwd hd128 causal bf16 window softcap", "fwd hd128 causal bf16 window packed"} <= names
+    assert {f"fwd hd256 {kind} bf16" for kind in ("full", "causal")} | {"fwd hd256 causal bf16 window softcap"} <= names
     for head_dim in ga.HEAD_DIMS:  # every opt-in variant builds too
         for causal in (False, True):
             kind = "causal" if causal else "full"

@@ -329,9 +329,9 @@ def _gluon_importable() -> bool:
 
 class GluonBackend:
     """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
-    warp-specialized, TMA, wgmma): dense calls at head dim 64 or 128, causal or not, with or without a padding mask
-    or packed segments, a sliding window or a soft-cap; "auto" runs it where the measured table says it beats SDPA
-    and our Triton kernel."""
+    warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256 (hd256: the Triton backward), causal or
+    not, with or without a padding mask or packed segments, a sliding window or a soft-cap; "auto" runs it where the
+    measured table says it beats SDPA and our Triton kernel."""
 
     name = "gluon"
     takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)

@@ -61,7 +61,7 @@ __all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "Config", "confi
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 ROWS_PER_WARPGROUP = 64  # the wgmma M of one warpgroup; two consumers make a 128-row query tile
 BLOCK_M = 2 * ROWS_PER_WARPGROUP
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers; setmaxnreg then moves them to the consumers
@@ -84,13 +84,18 @@ class Config(NamedTuple):
 def config(head_dim: int, causal: bool) -> Config:
     """The default per head dim. Measured on the H200 (benchmarks/results/gluon_attention.json): hd128 with 3 K/V
     stages (229.7 KB of shared memory, just under the 227 KB limit) is 9-26% faster than 2; hd64 BLOCK_N 64 with 6
-    stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%. `causal` is unused yet."""
-    return {64: Config(128, 4, True), 128: Config(128, 3, True)}[head_dim]
+    stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%. hd256: 64-key tiles, 2 stages (197 KB; O's [64, 256]
+    accumulator takes 128 registers a thread, so S stays at 64 x 64: 128-key tiles spill ~1.9 KB and serialize the
+    wgmmas). TMA boxes are clipped to the 128-byte swizzle by the compiler (several copies a tile).
+    `causal` is unused yet."""
+    return {64: Config(128, 4, True), 128: Config(128, 3, True), 256: Config(64, 2, True)}[head_dim]
 
 
 def variants(head_dim: int, causal: bool) -> dict[str, Config]:
     """The opt-in variants to measure beside the default (GPU tests, `benchmarks/gluon_attention.py --variants`,
-    the offline builds). None is measured yet."""
+    the offline builds); none at hd256."""
+    if head_dim == 256:
+        return {}
     base = config(head_dim, causal)
     found = {"persistent": base._replace(persistent=True), "tma_store": base._replace(tma_store=True),
              "persistent_tma_store": base._replace(persistent=True, tma_store=True)}
@@ -618,9 +623,9 @@ def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, *,
                  caller: str = "gluon_attention_forward", fallback: str = "flash_attention_forward",
-                 also: tuple = ()) -> None:
+                 also: tuple = (), head_dims: tuple = HEAD_DIMS) -> None:
     """ValueErrors naming the problem and the fix for what the Gluon kernels take; `also`: more (name, tensor)
-    pairs that must be 4-D and of q's dtype (the backward's dout and out)."""
+    pairs that must be 4-D and of q's dtype (the backward's dout and out); `head_dims`: those the kernel has."""
     if not HAS_GLUON:
         raise ValueError(f"{caller} needs Triton with Gluon's Hopper module (triton >= 3.6); use "
                          f"hf_fastpath.kernels.flash_attention.{fallback} instead")
@@ -633,8 +638,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for _, t in named):
         raise ValueError(f"{', '.join(n for n, _ in named)} must all be bfloat16 or all float16; got "
                          f"{', '.join(str(t.dtype) for _, t in named)}")
-    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS} and equal for q, k, v; got {q.shape[-1]}, "
+    if q.shape[-1] not in head_dims or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"head dim must be one of {head_dims} and equal for q, k, v; got {q.shape[-1]}, "
                          f"{k.shape[-1]}, {v.shape[-1]} (use {fallback} for other head dims)")
     if k.shape != v.shape or q.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have equal shapes and q's batch; got q {tuple(q.shape)}, k {tuple(k.shape)}"

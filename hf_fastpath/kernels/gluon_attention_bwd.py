@@ -47,7 +47,7 @@ import triton
 from . import gluon_attention as _fwd
 from .common import nvmma_layout
 from .device import on_input_device
-from .gluon_attention import HAS_GLUON, HEAD_DIMS, LOG2E
+from .gluon_attention import HAS_GLUON, LOG2E
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -61,6 +61,7 @@ if HAS_GLUON:
 __all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "VARIANTS", "DEFAULT_VARIANTS",
            "Launch", "launch", "BLOCK_N"]
 
+HEAD_DIMS = (64, 128)  # hd256's dK and dV accumulators alone would take 256 registers a thread
 BLOCK_N = 128  # keys per CTA: two consumer warpgroups of 64 (a wgmma's M)
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers, then moved by setmaxnreg
 WS_REGS = (240, 24)  # setmaxnreg of the second consumer and the loader / reducer; the first gets 3 * 168 - 264 = 240
@@ -463,8 +464,8 @@ def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0, w
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
     """Whether `gluon_attention_backward` takes these inputs on this machine (else the caller falls back: the Triton
     backward takes the Gluon forward's LSE)."""
-    return (_fwd.supported(q, k, v, causal) and dout.shape == q.shape and dout.dtype == q.dtype
-            and dout.device == q.device and _offsets_fit(q))
+    return (_fwd.supported(q, k, v, causal) and q.shape[-1] in HEAD_DIMS and dout.shape == q.shape
+            and dout.dtype == q.dtype and dout.device == q.device and _offsets_fit(q))
 
 
 def _check(dout, q, k, v, out, lse, softmax_scale) -> None:
@@ -479,7 +480,7 @@ def _check(dout, q, k, v, out, lse, softmax_scale) -> None:
         raise ValueError(f"lse must be [B, Hq, Sq] = {(B, Hq, Sq)} (as the forward returns it); got "
                          f"{tuple(lse.shape)}")
     _fwd.check_inputs(q, k, v, softmax_scale, caller="gluon_attention_backward", fallback="flash_attention_backward",
-                      also=(("dout", dout), ("out", out)))
+                      also=(("dout", dout), ("out", out)), head_dims=HEAD_DIMS)
     if not _offsets_fit(q):
         raise ValueError(f"Sq * Hq * D = {q.shape[1] * q.shape[2] * q.shape[3]} must be below 2**31 (the kernel "
                          f"addresses dQ with 32-bit offsets per (batch, head)); use flash_attention_backward")

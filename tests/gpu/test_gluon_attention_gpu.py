@@ -54,7 +54,7 @@ def _variants(d):
     return ["default"] + sorted(names)
 
 
-@pytest.mark.parametrize("d, variant", [(d, v) for d in (64, 128) for v in _variants(d)])
+@pytest.mark.parametrize("d, variant", [(d, v) for d in (64, 128, 256) for v in _variants(d)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_float64_reference(shape, causal, d, variant):

@@ -75,6 +75,10 @@ def _check(name, q, k, v, dout, causal, masks, floor=2e-3):
     out_rel = _rel(out, ref_out)
     lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
 
+    if q.shape[-1] not in gb.HEAD_DIMS:  # hd256: the Gluon forward only (training runs the Triton backward)
+        REPORT.append(dict(case=name, out_rel=out_rel, lse_abs=lse_err))
+        assert out_rel < 1e-2 and lse_err < 2e-3, (name, out_rel, lse_err)
+        return
     ref = reference.attention_backward(d64[3], *d64[:3], ref_out, ref_lse, causal=causal, **masks)
     got = gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=causal, **masks)
     yard = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, **masks)
@@ -126,6 +130,19 @@ def test_segments(s, kind, heads, causal, d):
            dict(segments=segment_table(segment_ids(b, s, kind, seed=s))))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s", [17, 1000, 2049])
+def test_hd256_masks(s, causal):
+    # head dim 256 (Gemma-2): the forward with padding and packed sequences
+    q, k, v, dout = attention_inputs(2, s, s, 8, 4, 256, dout=True, seed=s)
+    for kind in ("right", "left", "holes", "empty"):
+        _check(f"hd256 key_mask {kind} s={s} causal={causal}", q, k, v, dout, causal,
+               dict(key_mask=key_mask(2, s, kind, seed=s)))
+    for kind in ("random", "ones", "long"):
+        _check(f"hd256 segments {kind} s={s} causal={causal}", q, k, v, dout, causal,
+               dict(segments=segment_table(segment_ids(2, s, kind, seed=s))))
+
+
 def test_bhsd_layout_and_fp16():
     q, k, v, dout = attention_inputs(2, 500, 500, 8, 2, 64, dtype=torch.float16, bhsd=True, dout=True, seed=7)
     _check("segments bhsd fp16", q, k, v, dout, True, dict(segments=segment_table(segment_ids(2, 500, "random"))))
@@ -146,7 +163,7 @@ WINDOWS = {"causal w0": (True, (0, -1)), "causal w63": (True, (63, -1)), "causal
            "full r0": (False, (-1, 0))}
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("window", list(WINDOWS))
 @pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (129, 129), (1000, 1000), (2049, 2049), (17, 1000),
                                     (1000, 129)])
@@ -159,7 +176,7 @@ def test_window(sq, sk, window, d):
     _check(f"window {window} sq={sq} sk={sk} d={d}", q, k, v, dout, causal, dict(window_size=size))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("softcap", [1.5, 30.0])  # 1.5: most scores in tanh's bend; 30: nearly linear
 @pytest.mark.parametrize("window", [None, (200, -1)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -170,7 +187,7 @@ def test_softcap(s, causal, window, softcap, d):
     _check(f"softcap {softcap} window={window} s={s} causal={causal} d={d}", q, k, v, dout, causal, masks)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_window_with_masks(d):
     # a window together with padding or packed sequences (Gemma-2 / Mistral batches), soft-cap too
     q, k, v, dout = attention_inputs(3, 1000, 1000, 8, 2, d, dout=True, seed=11)
