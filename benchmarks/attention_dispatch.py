@@ -4,7 +4,9 @@
     python benchmarks/attention_dispatch.py            # GPU: time every case, write the JSON (and the package table)
     python benchmarks/attention_dispatch.py --plot F   # PNG from a results JSON (no GPU needed)
     python benchmarks/attention_dispatch.py --write-table F   # the package's table from F, plus the masked rows of
-        benchmarks/results/gluon_attention_masked.json (padded / packed batches: Triton and Gluon)
+        benchmarks/results/gluon_attention_masked.json (padded / packed batches: Triton and Gluon) and the windowed
+        rows of gluon_attention_window*.json (sliding windows, soft-caps)
+    python benchmarks/attention_dispatch.py --only prefill --head-dims 256 --out F   # a subset (merge it by hand)
 
 Calls are made the way each runs inside a model:
 - `ours`: `hf_fastpath.attention.ops.flash_attn` (the custom op the `fastpath` adapter calls);
@@ -291,6 +293,17 @@ def write_table(path):
                     rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
                                      causal=r["causal"], batch=r["batch"], kv_len=r["seq"], masked=True, **ms))
         meta["masked_source"] = "benchmarks/results/gluon_attention_masked.json"
+    # sliding windows and soft-caps (Mistral, Gemma-2): SDPA does not serve them either
+    windowed = [os.path.join(os.path.dirname(os.path.abspath(path)), f"gluon_attention_window{suffix}.json")
+                for suffix in ("", "_hd256")]
+    for source in (w for w in windowed if os.path.exists(w)):
+        for r in json.load(open(source))["rows"]:
+            for phase, times in (("prefill", r["fwd"]), ("train", r["fwd_bwd"])):
+                if "ms" in times["triton"] and "ms" in times["gluon"]:
+                    ms = {f"{n}_ms": round(times[n]["ms"], 5) for n in ("triton", "gluon")}
+                    rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
+                                     causal=r["causal"], batch=r["batch"], kv_len=r["seq"], windowed=True, **ms))
+        meta.setdefault("windowed_sources", []).append("benchmarks/results/" + os.path.basename(source))
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "attention",
                        f"dispatch_sm{cap[0]}{cap[1]}.json")
     with open(out, "w") as f:

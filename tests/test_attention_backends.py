@@ -336,6 +336,15 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
         assert select_backend("auto", q, k, v, capped).name == "gluon"
         _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=1.1)])
         assert select_backend("auto", q, k, v, capped).name == "triton"
+    # rows measured with a window / soft-cap decide such calls where the table has them (then masked, then plain)
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=0.7),
+                         dict(PREFILL_ROW, masked=True, triton_ms=1.0, gluon_ms=1.2)])
+    assert select_backend("auto", q, k, v, plain._replace(softcap=30.0)).name == "triton"  # the masked row
+    _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.5, gluon_ms=0.7),
+                         dict(PREFILL_ROW, masked=True, triton_ms=1.0, gluon_ms=1.2),
+                         dict(PREFILL_ROW, windowed=True, triton_ms=1.0, gluon_ms=0.8)])
+    assert select_backend("auto", q, k, v, plain._replace(softcap=30.0)).name == "gluon"
+    assert select_backend("auto", q, k, v, plain._replace(key_mask=torch.ones(2, 16))).name == "triton"
     # rows measured with masks decide masked calls where the table has them (the plain rows, plain calls)
     q64, k64, v64 = _qkv(b=2, s=16, hq=4, hkv=2, d=64, grad=False)
     _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7),

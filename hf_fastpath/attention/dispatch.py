@@ -5,9 +5,11 @@ The tables (`dispatch_sm90.json`, ...) come from `benchmarks/attention_dispatch.
 (`prefill`: forward only, `train`: forward + backward, `decode`: one query, CUDA-graph times, and `decode_eager`,
 host time included), head dim, GQA or not, causal or not, batch and key length, the median times of each kernel
 (`triton_ms`, `sdpa_ms`, and `gluon_ms` where measured), each called as it runs in a model; rows marked `masked`
-time padded and packed batches (`benchmarks/gluon_attention_masked.py`). A call takes the rows with the same phase,
-causality and maskedness (a masked call without masked rows of its phase and causality: the plain ones), then the
-nearest head dim, GQA-ness, and (in log scale) key length and batch. GPUs without a table run our kernel.
+time padded and packed batches, rows marked `windowed` sliding windows and soft-capped scores
+(`benchmarks/gluon_attention_masked.py`). A call takes the rows with the same phase, causality and kind (a windowed
+call without windowed rows of its phase and causality: the masked ones, then the plain ones; a masked call: the
+masked ones, then the plain ones), then the nearest head dim, GQA-ness, and (in log scale) key length and batch.
+GPUs without a table run our kernel.
 
 SDPA serves only plain calls: no varlen, window, softcap, ALiBi, key mask or static-cache length, and either as
 many queries as keys or one query (SDPA's causal mask is top-left aligned).
@@ -84,13 +86,15 @@ def fastest(row, candidates=("sdpa", "gluon")) -> str:
 
 @torch.compiler.assume_constant_result
 def _choose(key) -> str:
-    capability, phase, head_dim, gqa, causal, masked, batch, kv_len, candidates = key
+    capability, phase, head_dim, gqa, causal, kind, batch, kv_len, candidates = key
     rows = table_for(capability)
     if not rows:
         return "triton"
     rows = [r for r in rows if r["phase"] == phase and (phase.startswith("decode") or r["causal"] == causal)]
-    plain = [r for r in rows if not r.get("masked")]
-    rows = ([r for r in rows if r.get("masked")] or plain) if masked else plain
+    plain = [r for r in rows if not r.get("masked") and not r.get("windowed")]
+    masked = [r for r in rows if r.get("masked")]
+    windowed = [r for r in rows if r.get("windowed")]
+    rows = {"windowed": windowed or masked or plain, "masked": masked or plain}.get(kind, plain)
     if not rows:
         return "triton"
     rows = _nearest(rows, "head_dim", head_dim)
@@ -113,7 +117,8 @@ def choose(req, candidates=("sdpa",)) -> str:
     compiling = torch.compiler.is_compiling()
     if phase == "decode" and not compiling:
         phase = "decode_eager"
-    key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, bool(req.key_mask),
+    kind = "windowed" if req.window or req.softcap else "masked" if req.key_mask else ""
+    key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, kind,
            _pow2(req.batch), _pow2(req.kv_len), tuple(candidates))
     if compiling:  # a constant at trace time; filling _CHOICES here would trip the graph's guards on the next call
         return _choose(key)
@@ -130,7 +135,7 @@ def explain(capability) -> list[str]:
         return ["no measured table for this GPU: fastpath runs hf_fastpath's Triton kernel"]
     out = []
     for r in rows:
-        kind = "masked " if r.get("masked") else ""
+        kind = "masked " if r.get("masked") else "windowed " if r.get("windowed") else ""
         shape = (f"{r['phase']:7s} {kind}hd{r['head_dim']} {'GQA' if r['gqa'] else 'MHA'} "
                  f"{'causal' if r['causal'] else 'full  '} batch {r['batch']:3d} keys {r['kv_len']:6d}")
         times = ", ".join(f"{n} {r[f'{n}_ms']:.3f} ms" for n in ("triton", "gluon", "sdpa") if r.get(f"{n}_ms"))
