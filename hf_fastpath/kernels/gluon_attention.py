@@ -12,8 +12,12 @@ One CTA per (128-query tile, batch x head), three partitions (`gl.warp_specializ
 Causal attention is aligned bottom-right (query i sees keys j <= i + Sk - Sq): tiles above the diagonal are never
 loaded, and only the diagonal / sequence-end tiles pay for the mask. Padding (`key_mask`, MASK_MODE 1): a byte per
 key, checked in every tile that has a masked key; packed sequences (`segments`, MASK_MODE 2): only the key tiles of
-the segments of a tile's rows are loaded, each row masked to its segment (`_tile_plan`). Rows with no visible key
-give 0 and lse -inf.
+the segments of a tile's rows are loaded, each row masked to its segment (`_tile_plan`). A sliding window (WINDOW,
+flash-attn's (left, right)): the tiles left of the tile's window are never loaded and only the edge tiles are masked;
+the right edge is the causal one moved (CAUSAL with diag = Sk - Sq + right). Soft-cap (SOFTCAP, Gemma-2): scores
+softcap * tanh(s / softcap), tanh from exp2 (exact, one more MUFU op an element than tanh.approx). Head dims 64, 128,
+256 (hd256: 64-key tiles, 2 stages; the backward has no hd256, training there runs the Triton backward). Rows with no
+visible key give 0 and lse -inf.
 Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
 are stored. Tensors in, tensors out.
 

@@ -4,7 +4,10 @@ Status (H200, session 15, benchmarks/results/gluon_attention_backward.json): pas
 (tests/gpu/test_gluon_attention_bwd_gpu.py); 1.00-1.18x our Triton backward except hd64 causal 1k-8k (0.88-0.98x),
 and 0.79-0.91x cuDNN's, so plain training runs cuDNN through SDPA. Session 17: padding masks and packed sequences
 (tests/gpu/test_gluon_attention_masks_gpu.py; gluon_attention_masked.json: Gluon fwd+bwd 1.24-1.42x our Triton
-kernels at hd128), which `fastpath` dispatches to it; no window, soft-cap, ALiBi or varlen yet.
+kernels at hd128), which `fastpath` dispatches to it. Session 18: sliding windows (the interval of each key's visible
+queries shrinks) and soft-caps (tanh recomputed from S^T; 1 - tanh^2 waits in the dS^T tile of shared memory, as
+registers spilled), gluon_attention_window.json: hd128 fwd+bwd 1.25-1.31x Triton with a 4096 window, 1.40-1.64x
+with a soft-cap. No ALiBi, varlen or hd256 (dK + dV alone would take 256 registers a thread).
 
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
   domain with -inf -> +inf so that rows with no visible key get P = 0);
