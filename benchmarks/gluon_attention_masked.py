@@ -226,7 +226,8 @@ def plot(path, png):
         ax.legend(fontsize=7)
         ax.grid(axis="x", alpha=0.3)
     meta = data["meta"]
-    fig.suptitle(f"Padded / packed / windowed / soft-capped attention, {meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}")
+    fig.suptitle(f"Padded / packed / windowed / soft-capped attention, {meta['gpu']}, bf16, torch {meta['torch']}, "
+                 f"triton {meta['triton']}")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(png, dpi=90)
 
