@@ -51,6 +51,11 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
                 sig[p.name] = MASK_POINTER[mask_mode]
             else:
                 sig[p.name], constexprs = "constexpr", dict(constexprs, km_ptr=None)
+        elif p.name == "run_ptr":  # a key mask's runs of real keys, else None
+            if mask_mode == 1:
+                sig[p.name] = "*i32"
+            else:
+                sig[p.name], constexprs = "constexpr", dict(constexprs, run_ptr=None)
         else:
             sig[p.name] = "fp32" if p.name in ("qk_scale", "cap_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in ("out_ptr", "lse_ptr")}

@@ -35,3 +35,14 @@ def test_gluon_attention_builds_for_sm90():
         for causal in (False, True):
             kind = "causal" if causal else "full"
             assert {f"fwd hd{head_dim} {kind} bf16 {v}" for v in ga.variants(head_dim, causal)} <= names
+
+
+def test_key_runs_finds_each_rows_run_of_real_keys():
+    # left / right padding is one run of real keys (the kernels' two-bound path), a hole is not (per-key path)
+    import torch
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1],
+                         [0, 0, 3, 0, 0]])
+    runs = ga.key_runs(mask)
+    assert runs.dtype == torch.int32
+    assert runs.tolist() == [[0, 2, 0, 0, 0, 2], [3, 5, -1, 0, 5, 3]]

@@ -350,7 +350,7 @@ if HAS_GLUON:
                   q_phase=0, kv0=0, turn0=0, TMA_STORE: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
                   O_BUFFER: gl.constexpr = False, first=0, u0=1, km_ptr=None, km_b=0, km_plane=0,
                   MASK_MODE: gl.constexpr = 0, diag_lo=0, cap_scale=1.0, WINDOW: gl.constexpr = False,
-                  SOFTCAP: gl.constexpr = False):
+                  SOFTCAP: gl.constexpr = False, key_lo=0, key_hi=0):
         """One warpgroup's 64 rows of one query tile: key tiles first..n_tiles-1, unmasked u0..u1-1 (see
         `_tile_plan`). kv0 / turn0: K/V tiles / ping-pong turns this CTA went
         through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
@@ -383,9 +383,14 @@ if HAS_GLUON:
             seg_rows = km_ptr + b * km_b + rows
             seg_lo = gl.load(seg_rows + km_plane, mask=rows < seq_q, other=0)
             seg_hi = gl.load(seg_rows + 2 * km_plane, mask=rows < seq_q, other=0)
+        elif MASK_MODE == 3:  # a key mask whose real keys are one run: every row sees key_lo..key_hi-1
+            seg_lo = gl.full([ROWS], key_lo, gl.int32, row_layout)
+            seg_hi = gl.full([ROWS], key_hi, gl.int32, row_layout)
         else:
             seg_lo = None
             seg_hi = None
+        # MASK_MODE 3 masks tiles as packed segments do (two bounds a row, no per-key load)
+        MODE: gl.constexpr = 2 if MASK_MODE == 3 else MASK_MODE
         kvb = kv0 - first  # ring position and turn of key tile j: kvb + j, tb + j
         tb = turn0 - first
         if WAIT_Q_ALWAYS:
@@ -399,31 +404,31 @@ if HAS_GLUON:
             s = warpgroup_mma(q, k_smem.index(kv0 % STAGES).permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             _pass_turn(turns, WARPGROUP, PINGPONG)
-            if MASK_MODE == 1:
+            if MODE == 1:
                 key_ok = _key_mask(km_row, first * BLOCK_N, seq_k, BLOCK_N, s_layout)
             else:
                 key_ok = None
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, first * BLOCK_N, seq_k, diag, diag_lo,
                                                  cap_scale, key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL,
-                                                 MASK_MODE, WINDOW, SOFTCAP)
+                                                 MODE, WINDOW, SOFTCAP)
             p = gl.convert_layout(p.to(q.dtype), p_layout)
-            if MASK_MODE == 2 or WINDOW:  # tiles before u0 start inside some row's segment or window
+            if MODE == 2 or WINDOW:  # tiles before u0 start inside some row's segment or window
                 for j in range(first + 1, u0):
                     o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                              turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo,
                                              cap_scale, km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES,
-                                             True, CAUSAL, WARPGROUP, PINGPONG, MASK_MODE, WINDOW, SOFTCAP)
+                                             True, CAUSAL, WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP)
             for j in range(u0, u1):  # tiles every row sees whole (key mask: unless some of their keys are padding)
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL,
-                                         WARPGROUP, PINGPONG, MASK_MODE, WINDOW, SOFTCAP)
+                                         WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP)
             for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL,
-                                         WARPGROUP, PINGPONG, MASK_MODE, WINDOW, SOFTCAP)
+                                         WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP)
             if RELEASE_Q_EARLY:  # every Q.K^T has completed
                 mbarrier.arrive(q_empty, count=1)
             last = (kvb + n_tiles - 1) % STAGES
@@ -456,6 +461,26 @@ if HAS_GLUON:
             row_off = ((b * seq_q + o_rows).to(gl.int64) * num_heads + h) * HEAD_DIM
             ptrs = out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
             gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_rows < seq_q, 1))
+
+    @gluon.jit
+    def _key_mask_consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
+                           b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           PINGPONG: gl.constexpr, out_desc, TMA_STORE: gl.constexpr, first, u0, km_ptr, km_b,
+                           km_plane, diag_lo, cap_scale, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, run_lo,
+                           run_hi):
+        """A key-mask call's consumer: a batch row whose real keys are one run (left / right padding, what
+        Transformers builds) masks by its two ends (run_lo < run_hi or an empty run); others load the mask per key."""
+        if run_lo <= run_hi:
+            _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
+                      seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
+                      CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, None,
+                      km_b, km_plane, 3, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi)
+        else:
+            _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
+                      seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
+                      CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, km_ptr,
+                      km_b, km_plane, 1, diag_lo, cap_scale, WINDOW, SOFTCAP)
 
     @gluon.jit
     def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -533,14 +558,16 @@ if HAS_GLUON:
         return q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns
 
     @gluon.jit
-    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, km_ptr, km_b, km_plane, seq_q, seq_k,
+    def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, km_ptr, km_b, km_plane, run_ptr, seq_q,
+                         seq_k,
                          num_heads, group, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale, diag,
                          diag_lo, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                          MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
         MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
-        of `flash_attention.segment_table` (plane stride km_plane); 0: None. Row i sees keys up to i + diag with
+        of `flash_attention.segment_table` (plane stride km_plane); 0: None. With a key mask, run_ptr [2, B] holds each
+        batch row's run of real keys (lo, hi), hi < lo when they are not one run. Row i sees keys up to i + diag with
         CAUSAL (diag = Sk - Sq + the right window edge) and from i + diag_lo on with WINDOW (diag_lo = Sk - Sq - the
         left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e)."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -555,23 +582,48 @@ if HAS_GLUON:
         m0 = pid_m * TILE_M
         first, n_tiles, u0, u1 = _tile_plan(km_ptr, km_b, km_plane, b, m0, seq_q, seq_k, diag, diag_lo, TILE_M,
                                             BLOCK_N, CAUSAL, WINDOW, MASK_MODE)
+        if MASK_MODE == 1:
+            run_lo = gl.load(run_ptr + b)
+            run_hi = gl.load(run_ptr + gl.num_programs(1) // num_heads + b)
+            if run_lo <= run_hi:  # only keys run_lo..run_hi-1: tiles outside are never loaded, edge tiles masked
+                first = gl.maximum(first, run_lo // BLOCK_N)
+                n_tiles = gl.minimum(n_tiles, gl.cdiv(run_hi, BLOCK_N))
+                u0 = gl.minimum(gl.maximum(gl.maximum(u0, gl.cdiv(run_lo, BLOCK_N)), first + 1), n_tiles)
+                u1 = gl.maximum(gl.minimum(u1, run_hi // BLOCK_N), u0)
+        else:
+            run_lo = 0
+            run_hi = 0
 
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = _allocate(q_desc, k_desc, v_desc,
                                                                                        STAGES)
         q_row = b * q_row_b + h * q_row_h + m0
         kv_row = b * kv_row_b + hk * kv_row_h
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
-                         seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                         km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
-                         seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                         km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
-        ], [4, 1], _REGS)
+        if MASK_MODE == 1:
+            gl.warp_specialize([
+                (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
+                                      lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0,
+                                      HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
+                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi)),
+                (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
+                                      lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1,
+                                      HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
+                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                             q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
+            ], [4, 1], _REGS)
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
+                             b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
+                             CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
+                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
+                             b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
+                             CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
+                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                             q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
+            ], [4, 1], _REGS)
 
     @gluon.jit
     def _attn_fwd_persistent_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, seq_q, seq_k, num_heads,
@@ -706,13 +758,29 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     head_args = (Sq, Sk, Hq, Hq // Hkv) + ((B * Hq, ) if cfg.persistent else ())
     tail = () if cfg.persistent else (diag + max(right, 0), diag - left, cap_scale)
     if not cfg.persistent:
-        head_args = (km, km_b, km_plane) + head_args
+        head_args = (km, km_b, km_plane, key_runs(km[0, :, :Sk]) if mask_mode == 1 else None) + head_args
     # persistent: one CTA per SM at most (one fits per SM), each loops over work items
     grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
     kernel[grid](q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
                  kv_row_b, kv_row_h, kv_col_h, qk_scale, *tail, **meta, num_warps=4, maxnreg=MAXNREG)
     return out, lse
 
+
+
+def key_runs(key_mask: torch.Tensor) -> torch.Tensor:
+    """int32 [2, B]: each batch row's real keys (entries > 0) as one run lo..hi-1 (0, 0 when it has none), or
+    (0, -1) when they are not one run (a hole). Device ops only: padded batches (left or right) take the kernels'
+    two-bound path, which loads no per-key mask."""
+    real = key_mask > 0
+    idx = torch.arange(real.shape[1], device=real.device)
+    count = real.sum(1)
+    lo = torch.where(real, idx, real.shape[1]).amin(1)
+    hi = torch.where(real, idx + 1, 0).amax(1)
+    empty = count == 0
+    one_run = empty | (count == hi - lo)
+    lo = torch.where(one_run & ~empty, lo, 0)
+    hi = torch.where(empty, 0, torch.where(one_run, hi, -1))
+    return torch.stack([lo, hi]).to(torch.int32)
 
 
 def mask_args(key_mask, segments, batch, seq_q, seq_k, device) -> tuple:
