@@ -46,3 +46,21 @@ def test_key_runs_finds_each_rows_run_of_real_keys():
     runs = ga.key_runs(mask)
     assert runs.dtype == torch.int32
     assert runs.tolist() == [[0, 2, 0, 0, 0, 2], [3, 5, -1, 0, 5, 3]]
+
+
+def test_key_runs_are_computed_once_per_mask():
+    # a model's layers pass one mask: its runs are computed once, again after it changes in place, and die with it
+    import gc
+
+    import torch
+
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    km = mask.to(torch.uint8)[None]
+    first = ga._runs_of(mask, km, 3)
+    assert ga._runs_of(mask, km, 3) is first and first.tolist() == [[0, 1], [2, 3]]
+    mask[0, 2] = 1
+    km = mask.to(torch.uint8)[None]
+    assert ga._runs_of(mask, km, 3).tolist() == [[0, 1], [3, 3]]
+    del mask
+    gc.collect()
+    assert len(ga._RUNS) == 0
