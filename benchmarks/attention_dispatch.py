@@ -262,6 +262,18 @@ def main():
         _log("wrote", args.out)
 
 
+def _gluon_rows(path, kind):
+    """Table rows (`kind`: True) from a `gluon_attention_masked.py` results file: Triton and Gluon times per phase."""
+    rows = []
+    for r in json.load(open(path))["rows"]:
+        for phase, times in (("prefill", r["fwd"]), ("train", r["fwd_bwd"])):
+            if "ms" in times["triton"] and "ms" in times["gluon"]:
+                ms = {f"{n}_ms": round(times[n]["ms"], 5) for n in ("triton", "gluon")}
+                rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
+                                 causal=r["causal"], batch=r["batch"], kv_len=r["seq"], **{kind: True}, **ms))
+    return rows
+
+
 def write_table(path):
     """hf_fastpath/attention/dispatch_smXY.json: per measured call our time and SDPA's, the way fastpath calls them
     (prefill/train: dense SDPA as Transformers calls it; decode: a dense cache of kv_len tokens)."""
@@ -284,26 +296,14 @@ def write_table(path):
                 rows.append(row)
     meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
     meta["source"] = "benchmarks/results/" + os.path.basename(path)
-    masked = os.path.join(os.path.dirname(os.path.abspath(path)), "gluon_attention_masked.json")
-    if os.path.exists(masked):  # padded / packed batches: SDPA does not serve them, Triton and Gluon do
-        for r in json.load(open(masked))["rows"]:
-            for phase, times in (("prefill", r["fwd"]), ("train", r["fwd_bwd"])):
-                if "ms" in times["triton"] and "ms" in times["gluon"]:
-                    ms = {f"{n}_ms": round(times[n]["ms"], 5) for n in ("triton", "gluon")}
-                    rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
-                                     causal=r["causal"], batch=r["batch"], kv_len=r["seq"], masked=True, **ms))
-        meta["masked_source"] = "benchmarks/results/gluon_attention_masked.json"
-    # sliding windows and soft-caps (Mistral, Gemma-2): SDPA does not serve them either
-    windowed = [os.path.join(os.path.dirname(os.path.abspath(path)), f"gluon_attention_window{suffix}.json")
-                for suffix in ("", "_hd256")]
-    for source in (w for w in windowed if os.path.exists(w)):
-        for r in json.load(open(source))["rows"]:
-            for phase, times in (("prefill", r["fwd"]), ("train", r["fwd_bwd"])):
-                if "ms" in times["triton"] and "ms" in times["gluon"]:
-                    ms = {f"{n}_ms": round(times[n]["ms"], 5) for n in ("triton", "gluon")}
-                    rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
-                                     causal=r["causal"], batch=r["batch"], kv_len=r["seq"], windowed=True, **ms))
-        meta.setdefault("windowed_sources", []).append("benchmarks/results/" + os.path.basename(source))
+    here = os.path.dirname(os.path.abspath(path))
+    # calls SDPA does not serve, timed for Triton and Gluon: padded / packed batches ("masked" rows), sliding windows
+    # and soft-caps ("windowed" rows: Mistral, Gemma-2)
+    for name, kind in (("gluon_attention_masked.json", "masked"), ("gluon_attention_window.json", "windowed"),
+                       ("gluon_attention_window_hd256.json", "windowed")):
+        if os.path.exists(os.path.join(here, name)):
+            rows += _gluon_rows(os.path.join(here, name), kind)
+            meta.setdefault(f"{kind}_sources", []).append("benchmarks/results/" + name)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "attention",
                        f"dispatch_sm{cap[0]}{cap[1]}.json")
     with open(out, "w") as f:
