@@ -17,7 +17,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_attention as ga  # noqa: E402
-from offline_builds import build_error, descriptor_type, dump_asm  # noqa: E402
+from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
 
 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
@@ -103,7 +103,8 @@ def main():
             o_buffer = ga.kernel_args(head_dim, causal, cfg)[1].get("O_BUFFER", False)
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   setmaxnreg=ptx.count("setmaxnreg"),
-                                  shared_estimate=ga._shared_bytes(head_dim, cfg, o_buffer))), flush=True)
+                                  shared_estimate=ga._shared_bytes(head_dim, cfg, o_buffer), triton=triton.__version__,
+                                  **ptxas_report(kernel))), flush=True)
             dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build
             print(json.dumps(dict(name=name, error=build_error(exc))), flush=True)
