@@ -560,9 +560,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, km_ptr, km_b, km_plane, run_ptr, seq_q,
-                         seq_k,
-                         num_heads, group, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale, diag,
-                         diag_lo, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         seq_k, num_heads, group, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
+                         diag, diag_lo, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                          MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
