@@ -789,6 +789,8 @@ _RUNS: dict = {}  # id(key mask) -> (a weak reference to it, (its version, Sk), 
 def _runs_of(key_mask: torch.Tensor, km: torch.Tensor, seq_k: int) -> torch.Tensor:
     """`key_runs` of a call's mask, once per mask tensor: a model's layers share one mask, and the ~8 small ops cost
     more host time than a short call's kernel (1k-token hd64 forwards measured 1.5x slower with them per call)."""
+    if key_mask.is_cuda and torch.cuda.is_current_stream_capturing():  # CUDA graphs: keep our tensors out of them
+        return key_runs(km[0, :, :seq_k])
     key = id(key_mask)
     hit = _RUNS.get(key)
     if hit is not None and hit[0]() is key_mask and hit[1] == (key_mask._version, seq_k):
