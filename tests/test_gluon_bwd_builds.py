@@ -12,14 +12,15 @@ import torch
 
 from hf_fastpath.kernels import gluon_attention_bwd as gb
 
-from tests.offline_builds import HOPPER_SHARED_BYTES, run_build_script
+from tests.offline_builds import HOPPER_SHARED_BYTES, assert_sm90_builds_sound, run_build_script
 
 
 @pytest.mark.skipif(not gb.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
 def test_gluon_attention_backward_builds_for_sm90():
     builds = run_build_script("gluon_bwd_builds.py")
-    failed = [b for b in builds if "error" in b]
-    assert not failed, failed
+    # hd128 fills the consumers' 240 registers: 3.9's ptxas spills a few loop scalars there (12 bytes), 3.6's none;
+    # the soft-cap's tanh needs 44-112 bytes at hd128 under 3.6, 12-32 under 3.9 (docs/attention.md, session 18)
+    assert_sm90_builds_sound(builds, {"softcap": 128})
     plain = {f"bwd hd{d} {kind} {v}" for d in gb.HEAD_DIMS for v in gb.VARIANTS
              for kind in ("full bf16", "causal bf16", "causal fp16")}
     masked = {f"bwd hd{d} {kind} bf16 {v} {mask}" for v in gb.VARIANTS for mask in ("keymask", "packed")
@@ -29,18 +30,6 @@ def test_gluon_attention_backward_builds_for_sm90():
     windowed |= {f"bwd hd128 causal bf16 {v} {what}" for v in gb.VARIANTS for what in ("window packed",
                                                                                         "window softcap")}
     assert {b["name"] for b in builds} == plain | masked | windowed
-    assert not [b for b in builds if b["shared"] > HOPPER_SHARED_BYTES], builds
-    assert not [b for b in builds if b["shared"] > b["shared_estimate"]], builds  # the estimate must not undercount
-    assert not [b for b in builds if b["spills"]], builds  # Triton-level (PTX local memory)
-    # Triton's wheel ships ptxas: without its report nothing below would be checked
-    assert not [b for b in builds if "ptxas_error" in b], builds
-    # ptxas-level spills. hd128 fills the consumers' 240 registers: Triton 3.9's ptxas spills a few loop scalars
-    # there (12 bytes, reloaded from L1), Triton 3.6's (the GPU runs) none; a real spill is hundreds of bytes. The
-    # soft-cap's tanh needs more: 44-112 bytes at hd128 under 3.6, 12-32 under 3.9 (docs/attention.md, session 18)
-    def allowed(b):
-        return 128 if "softcap" in b["name"] else (0 if b["triton"].startswith("3.6") else 32)
-    assert not [b for b in builds if b["ptxas_spill_bytes"] > allowed(b)], builds
-    assert not [b for b in builds if b["serialized"] or b["ptxas_notes"]], builds  # a wait after every HGMMA
     assert all(b["hgmma"] > 0 for b in builds), builds
 
 
