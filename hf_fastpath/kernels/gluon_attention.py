@@ -755,16 +755,17 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
     kernel, meta = kernel_args(D, right >= 0, cfg, mask_mode, left >= 0, softcap > 0)
     n_m_tiles = triton.cdiv(Sq, BLOCK_M)
-    head_args = (Sq, Sk, Hq, Hq // Hkv) + ((B * Hq, ) if cfg.persistent else ())
-    tail = () if cfg.persistent else (diag + max(right, 0), diag - left, cap_scale)
-    if not cfg.persistent:
-        head_args = (km, km_b, km_plane, _runs_of(key_mask, km, Sk) if mask_mode == 1 else None) + head_args
+    if cfg.persistent:
+        head_args, tail = (Sq, Sk, Hq, Hq // Hkv, B * Hq), ()
+    else:
+        runs = _runs_of(key_mask, km, Sk) if mask_mode == 1 else None
+        head_args = (km, km_b, km_plane, runs, Sq, Sk, Hq, Hq // Hkv)
+        tail = (diag + max(right, 0), diag - left, cap_scale)
     # persistent: one CTA per SM at most (one fits per SM), each loops over work items
     grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
     kernel[grid](q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
                  kv_row_b, kv_row_h, kv_col_h, qk_scale, *tail, **meta, num_warps=4, maxnreg=MAXNREG)
     return out, lse
-
 
 
 def key_runs(key_mask: torch.Tensor) -> torch.Tensor:
