@@ -11,7 +11,8 @@ Mistral-7B-shaped (Llama-3-8B's attention with a 4096-token sliding window; `end
 decoder layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
 Rows (each: sdpa, fastpath, fastpath / sdpa; higher is better everywhere):
 - train: forward + backward (all parameters, loss on every token), tokens/s, 1 x 8192 tokens, and the same tokens
-  as 4 packed sequences of 2048 (restarting position_ids, no cache, as a padding-free collator gives them);
+  as 4 packed sequences of 2048 (restarting position_ids, no cache, as a padding-free collator gives them; and with
+  the collator's varlen kwargs `cu_seq_lens_q/k` too, which sdpa ignores: "collated");
 - prefill: forward of 1 x {1k, 8k, 32k} tokens, reported as tokens/s;
 - generate eager / generate compiled: `generate()` with a dynamic cache, and with `cache_implementation="static"`
   (Transformers compiles the decode step: fullgraph, CUDA graphs), batch {1, 8} x prompt {512, 4096}, 32 new
@@ -75,6 +76,9 @@ def train_rows(model, packed):
     kw = dict(labels=ids)
     if packed:
         kw.update(position_ids=torch.arange(2048, device="cuda").repeat(4)[None], use_cache=False)
+    if packed == "collated":  # DataCollatorWithFlattening(return_flash_attn_kwargs=True): two equal offset tensors
+        cu = torch.arange(0, 8193, 2048, dtype=torch.int32, device="cuda")
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=2048, max_length_k=2048)
 
     def step():
         model(ids, **kw).loss.backward()
@@ -224,6 +228,8 @@ def main():
                 record("train", dtype, "1x8192", "tokens/s", lambda: train_rows(model, packed=False), 2)
             if "packed" in only:
                 record("train packed", dtype, "4x2048 packed", "tokens/s", lambda: train_rows(model, packed=True), 2)
+                record("train packed", dtype, "4x2048 collated", "tokens/s",
+                       lambda: train_rows(model, packed="collated"), 2)
         model.eval()
         if "prefill" in only:
             for tokens in (1024, 8192, 32768):

@@ -14,7 +14,7 @@ import torch
 
 from hf_fastpath.attention import attention, attention_forward, backends, reference
 from hf_fastpath.attention.backends import BackendUnavailable, describe_backends, select_backend
-from hf_fastpath.attention.params import AttentionParams
+from hf_fastpath.attention.params import AttentionParams, make_params
 from hf_fastpath.kernels.common import WARNED
 from hf_fastpath.kernels.flash_attention import segment_table
 
@@ -299,6 +299,11 @@ def test_gluon_backend_takes_dense_hopper_calls_only(install, monkeypatch):
     assert why(q, k, v, plain._replace(softcap=30.0)) is None
     assert "ALiBi" in why(q, k, v, plain._replace(alibi_slopes=torch.ones(4)))
     assert "static-cache" in why(q, k, v, plain._replace(seqused_k=torch.full((2,), 12)))
+    # varlen: only with queries and keys packed alike, which it can tell only from one cu_seqlens tensor for both
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32)
+    assert why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu)) is None
+    assert "one tensor as both" in why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu.clone()))
     install(capability=(8, 0))
     assert "Hopper" in gluon.missing()
     with pytest.raises(BackendUnavailable, match="gluon.*Hopper"):
@@ -400,6 +405,47 @@ def test_gluon_op_shapes_and_gradients(monkeypatch, mask):
     torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+
+
+def test_cu_seqlens_segment_ids():
+    from hf_fastpath.kernels.flash_attention import cu_seqlens_segment_ids
+
+    ids = lambda cu, total: cu_seqlens_segment_ids(torch.tensor(cu, dtype=torch.int32), total).tolist()  # noqa: E731
+    assert ids([0, 3, 4, 4, 7], 7) == [0, 0, 0, 1, 2, 2, 2]  # an empty sequence takes no id
+    assert ids([2, 4], 6) == [0, 0, 1, 1, 2, 2]  # tokens outside the offsets are sequences of their own
+    assert ids([0, 6], 6) == [0] * 6 and ids([0], 0) == []
+
+
+@pytest.mark.parametrize("features", [dict(causal=True), dict(causal=False), dict(causal=True, window_size=(2, 0)),
+                                      dict(causal=True, softcap=1.5)])
+def test_gluon_runs_one_packing_varlen_as_packed_segments(monkeypatch, features):
+    # varlen inputs whose queries and keys share cu_seqlens run as one row of packed segments, forward and backward,
+    # with empty and one-token sequences; the LSE comes back in the varlen layout [H, T]. The interpreted Triton
+    # kernels stand in for the Gluon ones (which need a Hopper GPU: tests/gpu)
+    from hf_fastpath.attention import ops
+    from hf_fastpath.kernels.flash_attention import flash_attention_forward
+
+    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale, left, right, cap:
+                        flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask,
+                                                segments=segments, window_size=(left, right), softcap=cap))
+    cu = torch.tensor([0, 5, 5, 6, 13, 20], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(20, h, 32, generator=g).requires_grad_() for h in (4, 2, 2))
+    params = make_params(q, k, v, softmax_scale=0.3, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7,
+                         max_seqlen_k=7, **features)
+    out, lse = backends.GluonBackend().run(q, k, v, params, 0.0, True)
+    dout = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want_out, want_lse = reference.attention_forward(q64, k64, v64, **params.kernel_kwargs())
+    want = torch.autograd.grad(want_out, (q64, k64, v64), dout.double())
+    assert lse.shape == want_lse.shape == (4, 20)
+    torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=2e-3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+    # the packed table is made once per cu_seqlens tensor (every layer passes the same one)
+    assert backends._as_segments(params, 20).segments is backends._as_segments(params, 20).segments
 
 
 def test_gluon_that_does_not_build_falls_back_to_triton(install, monkeypatch, caplog):

@@ -20,7 +20,7 @@ import torch
 
 from . import dispatch
 from .params import AttentionParams
-from ..kernels.common import interpret_requested, warn_once
+from ..kernels.common import derived_once, interpret_requested, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class Request(NamedTuple):
     kv_len: int = 1
     heads: int = 1
     kv_heads: int = 1
+    one_packing: bool = False  # varlen with one cu_seqlens tensor for queries and keys (packed self-attention)
 
     @classmethod
     def of(cls, q, k, v, params: AttentionParams, dropout_p=0.0, return_lse=False):
@@ -88,7 +89,8 @@ class Request(NamedTuple):
                    params.alibi_slopes is not None, dropout_p > 0, cuda_capability(q), params.causal,
                    params.key_mask is not None or params.segments is not None, params.seqused_k is not None,
                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), return_lse,
-                   batch, q_len, kv_len, q.shape[-2], k.shape[-2])
+                   batch, q_len, kv_len, q.shape[-2], k.shape[-2],
+                   params.varlen and params.cu_seqlens_q is params.cu_seqlens_k and q.shape[0] == k.shape[0])
 
 
 _MISSING: set[str] = set()
@@ -330,8 +332,9 @@ def _gluon_importable() -> bool:
 class GluonBackend:
     """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
     warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256 (hd256: the Triton backward), causal or
-    not, with or without a padding mask or packed segments, a sliding window or a soft-cap; "auto" runs it where the
-    measured table says it beats SDPA and our Triton kernel."""
+    not, with or without a padding mask or packed segments, a sliding window or a soft-cap, and varlen calls whose
+    queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table says
+    it beats SDPA and our Triton kernel."""
 
     name = "gluon"
     takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)
@@ -360,8 +363,10 @@ class GluonBackend:
             return f"needs a Hopper GPU (sm_90), this GPU is sm_{req.capability[0]}{req.capability[1]}"
         if req.head_dim not in HEAD_DIMS:
             return f"supports head dims {', '.join(map(str, HEAD_DIMS))}, got {req.head_dim}"
-        for used, what in ((req.varlen, "varlen inputs"), (req.alibi, "ALiBi"), (req.dropout, "dropout"),
-                           (req.seqused, "static-cache lengths")):
+        if req.varlen and not req.one_packing:
+            return ("takes varlen inputs only with queries and keys packed alike: pass one tensor as both "
+                    "cu_seqlens_q and cu_seqlens_k")
+        for used, what in ((req.alibi, "ALiBi"), (req.dropout, "dropout"), (req.seqused, "static-cache lengths")):
             if used:
                 return f"has no {what}"
         return None
@@ -369,8 +374,25 @@ class GluonBackend:
     def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
         from .ops import gluon_attn
 
+        if p.varlen:  # queries and keys packed alike: one row of packed segments
+            out, lse = gluon_attn(q[None], k[None], v[None], _as_segments(p, q.shape[0]))
+            return out[0], (lse[0] if return_lse else None)
         out, lse = gluon_attn(q, k, v, p)
         return out, (lse if return_lse else None)
+
+
+_SEGMENTS_OF_CU: dict = {}  # segment tables per cu_seqlens tensor (`derived_once`): every layer passes the same one
+
+
+def _as_segments(p: AttentionParams, total: int) -> AttentionParams:
+    """Varlen parameters whose queries and keys share `cu_seqlens` -> the same call on one `[1, total]` row of
+    packed segments (`segment_table`): causal masks, windows and soft-caps mean the same there, since each sequence
+    has as many queries as keys. The table is made on the device (no sync), once per cu_seqlens tensor."""
+    from ..kernels.flash_attention import cu_seqlens_segment_ids, segment_table
+
+    cu = p.cu_seqlens_k
+    table = derived_once(_SEGMENTS_OF_CU, cu, total, lambda: segment_table(cu_seqlens_segment_ids(cu, total)[None]))
+    return p._replace(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, segments=table)
 
 
 class ReferenceBackend:
@@ -404,7 +426,7 @@ def _signature(q, k, v, p: AttentionParams, dropout_p, return_lse):
     return (q.dtype, q.device, q.shape, k.shape[:-3], 1 << max(sk - 1, 0).bit_length(), q.shape[-3] == sk,
             k.shape[-2], k.shape[-1], v.shape[-1], p.causal, p.window_size, bool(p.softcap),
             p.alibi_slopes is None, p.cu_seqlens_q is None, p.max_seqlen_q, p.max_seqlen_k, p.seqused_k is None,
-            p.key_mask is None, p.segments is None, dropout_p > 0, return_lse,
+            p.cu_seqlens_q is p.cu_seqlens_k, p.key_mask is None, p.segments is None, dropout_p > 0, return_lse,
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 

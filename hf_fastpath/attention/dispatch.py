@@ -7,8 +7,9 @@ host time included), head dim, GQA or not, causal or not, batch and key length, 
 (`triton_ms`, `sdpa_ms`, and `gluon_ms` where measured), each called as it runs in a model; rows marked `masked`
 time padded and packed batches, rows marked `windowed` sliding windows and soft-capped scores
 (`benchmarks/gluon_attention_masked.py`). A call takes the rows with the same phase, causality and kind (a windowed
-call without windowed rows of its phase and causality: the masked ones, then the plain ones; a masked call: the
-masked ones, then the plain ones), then the nearest head dim, GQA-ness, and (in log scale) key length and batch.
+call without windowed rows of its phase and causality: the masked ones, then the plain ones; a masked or varlen
+call: the masked ones, then the plain ones), then the nearest head dim, GQA-ness, and (in log scale) key length and
+batch.
 GPUs without a table run our kernel.
 
 SDPA serves only plain calls: no varlen, window, softcap, ALiBi, key mask or static-cache length, and either as
@@ -117,7 +118,7 @@ def choose(req, candidates=("sdpa",)) -> str:
     compiling = torch.compiler.is_compiling()
     if phase == "decode" and not compiling:
         phase = "decode_eager"
-    kind = "windowed" if req.window or req.softcap else "masked" if req.key_mask else ""
+    kind = "windowed" if req.window or req.softcap else "masked" if req.key_mask or req.varlen else ""
     key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, kind,
            _pow2(req.batch), _pow2(req.kv_len), tuple(candidates))
     if compiling:  # a constant at trace time; filling _CHOICES here would trip the graph's guards on the next call

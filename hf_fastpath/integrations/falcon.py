@@ -15,6 +15,11 @@ Falcon specifics:
 
 `model.set_attn_implementation(name)` works for these models too: Transformers refuses to switch class-based models,
 so we let it and then swap the attention modules' classes in place (weights untouched).
+
+Transformers >= 5.25 Falcon calls the attention interface and folds ALiBi into a 4-D float mask in
+`FalconModel.forward`, which a FlashAttention kernel cannot take. Under our names its `use_alibi` reads False (no
+bias tensor is built, the mask stays ours; its attention still skips rotary by `config.alibi`) and the adapter
+passes the slopes to the kernel instead (`alibi_slopes_of`).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from .models import MODELS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register_name", "falcon_alibi_slopes"]
+__all__ = ["register_name", "falcon_alibi_slopes", "alibi_slopes_of"]
 
 _classes: dict[str, type] = {}
+_OUR_NAMES: set[str] = set()  # every registered `fastpath*` name
 
 
 def falcon_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
@@ -162,9 +168,38 @@ _CLASS_BUILDERS = {
 }
 
 
+def alibi_slopes_of(module) -> torch.Tensor | None:
+    """The ALiBi slopes (scaled as `falcon_alibi_slopes` says) of an attention module of an interface-calling ALiBi
+    Falcon, else None; computed once per module and device."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "alibi", False) or getattr(config, "model_type", None) != "falcon":
+        return None
+    device = module.query_key_value.weight.device
+    cached = module.__dict__.get("_fastpath_alibi_slopes")
+    if cached is None or cached.device != device:
+        cached = falcon_alibi_slopes(module.num_heads, device) * module.inv_norm_factor
+        module.__dict__["_fastpath_alibi_slopes"] = cached
+    return cached
+
+
+def _falcon_alibi_as_slopes(falcon_model_cls) -> None:
+    """`FalconModel.use_alibi` as a property: False under our names (see the module docstring)."""
+    if isinstance(falcon_model_cls.__dict__.get("use_alibi"), property):
+        return
+
+    def use_alibi(self):
+        return self.__dict__.get("_config_alibi", False) and self.config._attn_implementation not in _OUR_NAMES
+
+    def set_use_alibi(self, value):
+        self.__dict__["_config_alibi"] = value
+
+    falcon_model_cls.use_alibi = property(use_alibi, set_use_alibi)
+
+
 def register_name(name: str) -> None:
     """Map attention `name` to our classes in the class tables of the models that pick attention by class
     (`attention_class_table` in `models.MODELS`), where the installed Transformers has such a table."""
+    _OUR_NAMES.add(name)
     for model_type, row in MODELS.items():
         if row.attention_class_table is None:
             continue
@@ -172,6 +207,8 @@ def register_name(name: str) -> None:
         module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
         table = getattr(module, table_name, None)
         if table is None:  # this Transformers calls the attention interface instead
+            if model_type == "falcon":
+                _falcon_alibi_as_slopes(module.FalconModel)
             continue
         build, base, pretrained = _CLASS_BUILDERS[model_type]
         table[name] = build()

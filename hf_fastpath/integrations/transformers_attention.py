@@ -46,7 +46,8 @@ from ..attention.backends import select_backend
 from ..attention.interface import _unpadded
 from ..attention.params import AttentionParams
 from ..kernels.common import warn_once
-from ..kernels.flash_attention import segment_table
+from ..kernels.flash_attention import cu_seqlens_segment_ids, segment_table
+from .falcon import alibi_slopes_of
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ def _packed_segments(mask_function, batch_size, length, device, compiling):
 
 _last_mask_info: list = [None]
 _last_position_info: list = [None]
+_last_packing_info: list = [None]
 
 
 def _compiling() -> bool:
@@ -194,6 +196,25 @@ def _position_segments(position_ids: torch.Tensor):
     return segments
 
 
+def _packing(cu_q: torch.Tensor, cu_k: torch.Tensor, device) -> tuple:
+    """int32 `(cu_seqlens_q, cu_seqlens_k)` on `device`: one tensor for both when they hold the same offsets, as in
+    packed self-attention (`DataCollatorWithFlattening` hands over two equal tensors), so that kernels which need
+    queries and keys packed alike (Gluon) can tell without reading them. Eagerly that costs one host sync per
+    forward (the result is remembered for the other layers); while compiling nothing is read and the two stay
+    apart unless they are one tensor already."""
+    as_int = lambda t: t.to(device=device, dtype=torch.int32)  # noqa: E731
+    if cu_q is cu_k:
+        return (as_int(cu_q),) * 2
+    cached = _recall(_last_packing_info, cu_q)  # None while compiling
+    if cached is not None and cached[0]() is cu_k and cached[1] == cu_k._version:
+        return cached[2]
+    pair = (as_int(cu_q), as_int(cu_k))
+    if not _compiling() and pair[0].shape == pair[1].shape and torch.equal(*pair):
+        pair = (pair[0],) * 2
+    _remember(_last_packing_info, cu_q, (weakref.ref(cu_k), cu_k._version, pair))
+    return pair
+
+
 def _plan(name, attention_mask, q, k, kwargs, training=False) -> dict:
     """Keyword arguments for the kernel describing which keys each query sees: nothing (dense), `key_mask`,
     `key_mask` + `seqused_k` (static cache), `segments` (packed) or varlen `cu_seqlens_q/k` (packed, given by
@@ -207,8 +228,7 @@ def _plan(name, attention_mask, q, k, kwargs, training=False) -> dict:
     if cu_q is not None or cu_k is not None:
         if b != 1:
             raise ValueError(f"{name}: cu_seq_lens_q/k describe one packed row, got a batch of {b}.")
-        cu_q = (cu_k if cu_q is None else cu_q).to(device=q.device, dtype=torch.int32)
-        cu_k = (cu_q if cu_k is None else cu_k).to(device=q.device, dtype=torch.int32)
+        cu_q, cu_k = _packing(cu_k if cu_q is None else cu_q, cu_q if cu_k is None else cu_k, q.device)
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = int(torch.diff(cu_q).max()) if max_q is None else max_q  # host sync only when not given
         max_k = int(torch.diff(cu_k).max()) if max_k is None else max_k
@@ -342,18 +362,10 @@ def _fallback(name, q, k, v, kw, masks, dropout):
     if "cu_seqlens_q" in masks:
         if not torch.equal(masks["cu_seqlens_q"], masks["cu_seqlens_k"]):
             raise NotImplementedError(f"{name}: attention dropout with different query/key packing is not supported.")
-        seg = _segment_ids(masks["cu_seqlens_k"], q.shape[1])[None]
+        seg = cu_seqlens_segment_ids(masks["cu_seqlens_k"], q.shape[1])[None]
     return _sdpa_fallback(q, k, v, causal=kw["causal"], scale=kw["softmax_scale"], dropout_p=dropout,
                           window=kw["window_size"], alibi_slopes=kw["alibi_slopes"], softcap=kw["softcap"],
                           pad_mask=pad_mask, seg_ids=seg)
-
-
-def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
-    marks = torch.zeros(total, dtype=torch.int32, device=cu.device)
-    inner = cu[1:-1].long()
-    inner = inner[inner < total]
-    marks.index_add_(0, inner, torch.ones_like(inner, dtype=torch.int32))
-    return torch.cumsum(marks, 0)
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, kernel_fn, name,
@@ -369,8 +381,9 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     sliding_window = kwargs.get("sliding_window")
     if sliding_window is not None and k.shape[1] > sliding_window:
         window = (sliding_window - 1, -1 if is_causal else sliding_window - 1)
+    slopes = kwargs.get("alibi_slopes")
     kw = dict(causal=bool(is_causal), softmax_scale=scale, window_size=window, softcap=kwargs.get("softcap") or 0.0,
-              alibi_slopes=kwargs.get("alibi_slopes"))
+              alibi_slopes=alibi_slopes_of(module) if slopes is None else slopes)
     dropout = float(dropout or 0.0) if module.training else 0.0
     masks = _plan(name, attention_mask, q, k, kwargs, torch.is_grad_enabled() and query.requires_grad)
     if auto_dispatch and not masks and not dropout and window == (-1, -1) and not kw["softcap"] and \

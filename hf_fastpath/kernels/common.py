@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 
 import torch
 
 __all__ = ["interpreting", "interpret_requested", "triton_runs_on", "cdiv", "next_pow2", "warn_once", "WARNED",
-           "nvmma_layout", "gluon_build_failed"]
+           "nvmma_layout", "gluon_build_failed", "derived_once"]
 
 WARNED: set[str] = set()  # keys of the one-time warnings given so far (tests may discard keys to see them again)
 
@@ -74,3 +75,20 @@ def gluon_build_failed(errors: list, exc: Exception, logger_name: str, key: str,
     errors.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
     warn_once(logger_name, key, f"hf_fastpath's {what} does not build with this Triton ({errors[0]}); running "
                                 f"{fallback} instead.")
+
+
+def derived_once(cache: dict, tensor: torch.Tensor, key, make):
+    """`make()`, computed once per `tensor` (and `key`) for as long as the tensor lives unchanged: the masks and
+    packing tables a model's layers all share. Not while compiling (traced code recomputes it) or while capturing a
+    CUDA graph (a tensor made there must stay out of later eager calls); entries go with their tensor."""
+    if torch.compiler.is_compiling() or (tensor.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return make()
+    slot = id(tensor)
+    hit = cache.get(slot)
+    if hit is not None and hit[0]() is tensor and hit[1] == (tensor._version, key):
+        return hit[2]
+    if hit is None or hit[0]() is not tensor:
+        weakref.finalize(tensor, cache.pop, slot, None)
+    value = make()
+    cache[slot] = (weakref.ref(tensor), (tensor._version, key), value)
+    return value

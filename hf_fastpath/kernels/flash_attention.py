@@ -27,7 +27,7 @@ from .launch import LaunchCache
 from .row_quant import _to_e4m3, quantize_e4m3_rows
 from .split_kv import merge_splits
 
-__all__ = ["flash_attention_forward", "flash_attention_backward", "segment_table"]
+__all__ = ["flash_attention_forward", "flash_attention_backward", "segment_table", "cu_seqlens_segment_ids"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -878,6 +878,19 @@ def segment_table(segment_ids: torch.Tensor) -> torch.Tensor:
     last[:, :-1] = new[:, 1:]
     end = torch.where(last, idx + 1, s).flip(-1).cummin(-1).values.flip(-1)
     return torch.stack([new.cumsum(-1, dtype=torch.int32), start.to(torch.int32), end.to(torch.int32)]).contiguous()
+
+
+def cu_seqlens_segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """int32 `[total]` packed-sequence ids of the tokens of varlen inputs with offsets `cu_seqlens` (tokens before
+    cu_seqlens[0] and from cu_seqlens[-1] on form sequences of their own; empty sequences take no ids). Device ops
+    only."""
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int32, device=cu_seqlens.device)
+    cuts = cu_seqlens.long()
+    inside = ((cuts > 0) & (cuts < total)).to(torch.int32)  # a weight, not a filter: no data-dependent shape
+    starts = torch.zeros(total, dtype=torch.int32, device=cu_seqlens.device)
+    starts.scatter_reduce_(0, cuts.clamp(0, total - 1), inside, reduce="amax")  # empty sequences: one cut
+    return torch.cumsum(starts, 0, dtype=torch.int32)
 
 
 def _key_mask_arg(key_mask, segments, batch, mq, mk, device):

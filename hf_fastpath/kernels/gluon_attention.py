@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from typing import NamedTuple
 
 import torch
 import triton
 
-from .common import nvmma_layout
+from .common import derived_once, nvmma_layout
 from .device import compute_major, on_input_device
 from .flash_attention import _key_mask_arg, _window
 
@@ -784,23 +783,13 @@ def key_runs(key_mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi]).to(torch.int32)
 
 
-_RUNS: dict = {}  # id(key mask) -> (a weak reference to it, (its version, Sk), key_runs): dropped with the mask
+_RUNS: dict = {}  # key_runs per key mask (`derived_once`)
 
 
 def _runs_of(key_mask: torch.Tensor, km: torch.Tensor, seq_k: int) -> torch.Tensor:
     """`key_runs` of a call's mask, once per mask tensor: a model's layers share one mask, and the ~8 small ops cost
     more host time than a short call's kernel (1k-token hd64 forwards measured 1.5x slower with them per call)."""
-    if key_mask.is_cuda and torch.cuda.is_current_stream_capturing():  # CUDA graphs: keep our tensors out of them
-        return key_runs(km[0, :, :seq_k])
-    key = id(key_mask)
-    hit = _RUNS.get(key)
-    if hit is not None and hit[0]() is key_mask and hit[1] == (key_mask._version, seq_k):
-        return hit[2]
-    if hit is None or hit[0]() is not key_mask:
-        weakref.finalize(key_mask, _RUNS.pop, key, None)
-    runs = key_runs(km[0, :, :seq_k])
-    _RUNS[key] = (weakref.ref(key_mask), (key_mask._version, seq_k), runs)
-    return runs
+    return derived_once(_RUNS, key_mask, seq_k, lambda: key_runs(km[0, :, :seq_k]))
 
 
 def mask_args(key_mask, segments, batch, seq_q, seq_k, device) -> tuple:

@@ -201,6 +201,43 @@ def test_window_with_masks(d):
            dict(window_size=(300, -1), softcap=5.0, segments=segment_table(segment_ids(3, 1000, "random", seed=5))))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("features", ["causal", "full", "window", "softcap"])
+@pytest.mark.parametrize("lengths", ["mixed", "ones", "one"])
+def test_varlen_one_packing(lengths, features, d):
+    # varlen inputs whose queries and keys share one cu_seqlens tensor (packed training), through the backend
+    # `attention` picks: against float64, with empty and one-token sequences; gradients within 2x the Triton varlen
+    # kernel's error. hd256: the Gluon forward, the Triton backward
+    from hf_fastpath.attention import attention
+
+    lens = {"mixed": [700, 0, 1, 129, 2000, 1, 63], "ones": [1] * 40, "one": [1500]}[lengths]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    q, k, v, dout = (t[0] for t in attention_inputs(1, total, total, 8, 2, d, dout=True, seed=len(lens)))
+    kw = dict(causal=features != "full", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+              max_seqlen_k=max(lens), window_size=(150, -1) if features == "window" else (-1, -1),
+              softcap=5.0 if features == "softcap" else 0.0)
+    results = {}
+    for backend in ("gluon", "triton"):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = attention(*x, backend=backend, return_lse=True, **kw)
+        results[backend] = (out, lse, torch.autograd.grad(out, x, dout))
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference.attention_forward(*x64, **kw)
+    ref = torch.autograd.grad(ref_out, x64, dout.double())
+    out, lse, grads = results["gluon"]
+    name = f"varlen {lengths} {features} d={d}"
+    assert lse.shape == ref_lse.shape and torch.isfinite(out).all(), name
+    out_rel, lse_err = _rel(out, ref_out), (lse.double() - ref_lse).abs().max().item()
+    scale = ref[2].norm()
+    errs = {g: (_rel(a, r, scale), _rel(b, r, scale)) for g, a, b, r in zip(("dq", "dk", "dv"), grads,
+                                                                               results["triton"][2], ref)}
+    REPORT.append(dict(case=name, out_rel=out_rel, lse_abs=lse_err, **{f"{g}_rel": e[0] for g, e in errs.items()}))
+    assert out_rel < 1e-2 and lse_err < 2e-3, (name, out_rel, lse_err)
+    for g, (e, e_triton) in errs.items():
+        assert e <= 2 * e_triton + 2e-3, (name, g, e, e_triton)
+
+
 def test_rejects_bad_masks_with_a_clear_error():
     q, k, v = attention_inputs(2, 16, 16, 4, 4, 64)
     with pytest.raises(ValueError, match="key_mask must be"):

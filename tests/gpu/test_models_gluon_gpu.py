@@ -45,7 +45,8 @@ def _run(impl, inputs, family, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("family, batch", [("llama", "padded"), ("llama", "packed"), ("mistral", "plain"),
-                                           ("mistral", "padded"), ("gemma2", "plain"), ("gemma2", "packed")])
+                                           ("mistral", "padded"), ("gemma2", "plain"), ("gemma2", "packed"),
+                                           ("llama", "collated"), ("gemma2", "collated")])
 def test_fastpath_matches_eager(monkeypatch, family, batch):
     chosen = []
     select = backends.select_backend
@@ -65,12 +66,17 @@ def test_fastpath_matches_eager(monkeypatch, family, batch):
     elif batch == "plain":
         inputs = dict(input_ids=ids, labels=ids)
         real = torch.ones_like(ids, dtype=torch.bool)
-    else:
+    else:  # packed: restarting positions ("packed"), and DataCollatorWithFlattening's varlen kwargs ("collated")
         ids = ids[:1]
-        pos = torch.cat([torch.arange(n) for n in (1, 130, 69, 100)]).cuda()[None]
+        lengths = (1, 130, 69, 100)
+        pos = torch.cat([torch.arange(n) for n in lengths]).cuda()[None]
         inputs = dict(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
         real = torch.ones_like(ids, dtype=torch.bool)
-    logits, grads = _run("fastpath", inputs, family)
+    ours = dict(inputs)
+    if batch == "collated":  # two equal tensors, as the collator makes them; eager sees the packing by positions
+        cu = torch.tensor((0,) + lengths, device="cuda").cumsum(0).to(torch.int32)
+        ours.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=130, max_length_k=130)
+    logits, grads = _run("fastpath", ours, family)
     names = {b.name for b in chosen}
     if family == "llama" or batch != "plain":
         assert names == {"gluon"}, names  # H200's table: Gluon beats Triton at hd128 (SDPA takes no masks)
