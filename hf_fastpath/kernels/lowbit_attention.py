@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_lowbit_attention as gla
 from . import lowbit_quant as lq
 from .common import cdiv, interpreting, next_pow2
 from .device import on_input_device
@@ -337,6 +338,8 @@ USE_TMA = "auto"
 # copies). A 5th entry of a launch config overrides it. H200, hd 128, 64x128 tiles, 16k non-causal: tma_pair 640,
 # tma 635-640, load 596, regs 503, regs loaded one block ahead 385, unit scales (no scale work) 849-855 TFLOP/s.
 SCALE_LOAD = "tma"
+# e4m3 inputs with scales on Hopper: the Gluon kernel (`gluon_lowbit_attention`: warp-specialized, ping-pong)
+USE_GLUON = False
 _SCALE_MODES = {"load": 0, "tma": 1, "regs": 2, "tma_pair": 3}
 _TMA_FAILED: set = set()  # launch configs whose TMA variant did not fit in shared memory
 
@@ -449,6 +452,13 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
         vmax = torch.empty_like(v_scale)
         _prefix_max_kernel[(batch, hkv)](v_scale, vmax, cu_seqlens_k, HKV=hkv, BLOCK=32 if interpreting() else 1024,
                                          num_warps=4)
+    if scaled and not qk_mx and USE_GLUON and gla.supported(q, k, vt, q_scale, p_fp4):
+        out, lse = gla.gluon_lowbit_forward(q, q_scale, k, k_scale, vt, v_scale, vmax, cu_seqlens_q=cu_seqlens_q,
+                                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, causal=causal,
+                                            softmax_scale=scale, out_dtype=out_dtype)
+        if rotate:  # back from the rotated basis, as the Triton kernel does in its epilogue
+            out = torch.matmul(out, hadamard_pm1(d, q.device, out.dtype)).mul_(1.0 / math.sqrt(d))
+        return out, lse
 
     def launch(k_arg, ks_arg, v_arg, vs_arg, tma, scale_load, t_s):
         _lowbit_fwd_kernel[grid](
