@@ -217,7 +217,8 @@ def prefill_cases(quick=False, only=None, time_it=True):
                         else:
                             args = pre[fmt]
                         return kla.lowbit_flash_forward(*args, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s,
-                                                        causal=causal, p_fp4=p_fp4)[0].view(b, s, h, d)
+                                                        causal=causal, p_fp4=p_fp4,
+                                                        key_starts_aligned=True)[0].view(b, s, h, d)
                     return f
 
                 def e2e(fmt, p_format="fp8"):
@@ -361,7 +362,8 @@ def e2e_breakdown(quick=False):
                      "quantize_qkv": lambda: [row_quant.quantize_e4m3_rows(x, "fp8", transpose=i == 2)
                                               for i, x in enumerate((q, k, v))],
                      "kernel": lambda: kla.lowbit_flash_forward(*args, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                                                max_seqlen_q=s, causal=causal),
+                                                                max_seqlen_q=s, causal=causal,
+                                                                key_starts_aligned=True),
                      "e2e": lambda: lowbit.lowbit_attention(q, k, v, fmt="fp8", causal=causal),
                      "e2e_no_rotation": lambda: lowbit.lowbit_attention(q, k, v, fmt="fp8", causal=causal,
                                                                         rotate=False)}

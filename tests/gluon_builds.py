@@ -63,36 +63,6 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga.MAXNREG))
 
 
-def build_fp8(head_dim, causal, p_in_regs=True):
-    """The FP8 forward (`gluon_lowbit_attention`)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from hf_fastpath.kernels import gluon_lowbit_attention as gla
-
-    block_n, stages = gla.config(head_dim)
-    fn = gla._fp8_fwd_kernel
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True,
-                      P_IN_REGS=p_in_regs)
-    blocks = {"q_desc": [ga.ROWS_PER_WARPGROUP, head_dim], "k_desc": [block_n, head_dim],
-              "vt_desc": [head_dim, block_n]}
-    sig = {}
-    for p in fn.params:
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name in blocks:
-            sig[p.name] = descriptor_type(torch.float8_e4m3fn, blocks[p.name], gl.float8e4nv)
-        elif p.name.endswith("_ptr"):
-            sig[p.name] = "*bf16" if p.name == "out_ptr" else "*fp32"
-        elif p.name in ("cu_q", "cu_k"):
-            sig[p.name] = "*i32"
-        else:
-            sig[p.name] = "fp32" if p.name == "qk_scale" else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in ("out_ptr", "lse_ptr")}
-    src = GluonASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga.MAXNREG))
-
-
 def cases():
     """(name, head dim, causal, dtype, config, mask mode, window, softcap): the defaults, the masked kernels (hd128 in
     each mode and causality, hd64 causal), sliding window and soft-cap kernels, then every opt-in variant of
@@ -123,19 +93,6 @@ def cases():
 
 def main():
     only = sys.argv[1:]
-    for head_dim in (64, 128):
-        for causal in (False, True):
-            name = f"fwd hd{head_dim} {'causal' if causal else 'full'} fp8"
-            if only and not any(o in name for o in only):
-                continue
-            try:
-                kernel = build_fp8(head_dim, causal)
-                print(json.dumps(dict(name=name, shared=kernel.metadata.shared,
-                                      spills=kernel.asm.get("ptx", "").count("local.") > 0, triton=triton.__version__,
-                                      **ptxas_report(kernel))), flush=True)
-                dump_asm(kernel, name)
-            except Exception as exc:  # noqa: BLE001 - report every build
-                print(json.dumps(dict(name=name, error=build_error(exc))), flush=True)
     for name, head_dim, causal, dtype, cfg, mask_mode, window, softcap in cases():
         if only and not any(o in name for o in only):
             continue

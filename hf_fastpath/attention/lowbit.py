@@ -115,7 +115,8 @@ def _forward_rotated(q, k, v, fmt, p_fp4, kw, qk_fmt, fused, varlen, native_fp4=
         out, lse = kla.lowbit_flash_forward(q8, qs, k8, ks, vt8, vs, cu_seqlens_q=cu_q,
                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, causal=kw["causal"],
                                             softmax_scale=kw["softmax_scale"], p_fp4=p_fp4, out_dtype=q.dtype,
-                                            rotate=fused)
+                                            rotate=fused, key_starts_aligned=not varlen and (
+                                                k.shape[0] == 1 or k.shape[1] % 16 == 0))
         if not varlen:
             out = out.view(q.shape)
             lse = lse.view(q.shape[2], q.shape[0], q.shape[1]).permute(1, 0, 2).contiguous()

@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gluon_lowbit_attention as gla
 from . import lowbit_quant as lq
 from .common import cdiv, interpreting, next_pow2
 from .device import on_input_device
@@ -338,8 +337,6 @@ USE_TMA = "auto"
 # copies). A 5th entry of a launch config overrides it. H200, hd 128, 64x128 tiles, 16k non-causal: tma_pair 640,
 # tma 635-640, load 596, regs 503, regs loaded one block ahead 385, unit scales (no scale work) 849-855 TFLOP/s.
 SCALE_LOAD = "tma"
-# e4m3 inputs with scales on Hopper: the Gluon kernel (`gluon_lowbit_attention`: warp-specialized, ping-pong)
-USE_GLUON = False
 _SCALE_MODES = {"load": 0, "tma": 1, "regs": 2, "tma_pair": 3}
 _TMA_FAILED: set = set()  # launch configs whose TMA variant did not fit in shared memory
 
@@ -385,7 +382,8 @@ def transpose_v(v_rows: torch.Tensor) -> torch.Tensor:
 
 @on_input_device
 def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         causal=False, softmax_scale=None, p_fp4=False, out_dtype=torch.bfloat16, rotate=False):
+                         causal=False, softmax_scale=None, p_fp4=False, out_dtype=torch.bfloat16, rotate=False,
+                         key_starts_aligned=False):
     """Triton forward. q `[Tq,H,D]`, k `[Tk,Hkv,D]`, vt `[Hkv,D,Tk_pad]` (e4m3 with fp32 `[T,H]` scales, or bf16/fp16
     with scales None); cu_seqlens int32 `[B+1]`. Returns out `[Tq,H,D]` (out_dtype) and lse `[H,Tq]` fp32.
     Packed MXFP4 Q and K (`lowbit_quant.quantize_rows(x, "mxfp4")`): q `[Tq,H,D/2]` and k `[Tk,Hkv,D/2]` uint8 codes
@@ -396,7 +394,11 @@ def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, c
     one pass over the output fewer, 2-3% of the call at hd 128 on the H200. (Quantizing a 16-bit q in the kernel
     as well was slower there: the Q rotation raised shared memory from 110 to 134 KB, one program per SM instead
     of two; 0.97 vs 0.73 ms at 4k causal. Building the +-1 matrix in registers from index parity instead of
-    loading it was slower too: 0.76 vs 0.73 ms.)"""
+    loading it was slower too: 0.76 vs 0.73 ms.)
+    `key_starts_aligned`: every sequence's keys start at a multiple of 16 tokens (cu_seqlens_k), as in a dense
+    batch of such lengths, or one sequence. Only then do K/V^T and the scales load by TMA: a V^T tile must start
+    16-byte aligned along the tokens, and elsewhere the launch hit an illegal instruction on the H200 (session 19:
+    sequences of 1000 or 777 tokens). Otherwise the kernel loads by pointers (~1.5x slower at 16k tokens)."""
     qk_mx = q.dtype == torch.uint8
     lowp = q.dtype == torch.float8_e4m3fn or qk_mx
     if lowp and (q_scale is None or k_scale is None or v_scale is None):
@@ -407,7 +409,7 @@ def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, c
     if rotate and (d < 32 or d & (d - 1)):
         raise ValueError(f"rotate needs a power-of-two head dim >= 32, got {d}")
     return _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
-                   softmax_scale, p_fp4, out_dtype, rotate)
+                   softmax_scale, p_fp4, out_dtype, rotate, key_starts_aligned)
 
 
 def _check_mx_operands(q, q_blocks, k, k_blocks, d, v_dtype):
@@ -424,7 +426,7 @@ def _check_mx_operands(q, q_blocks, k, k_blocks, d, v_dtype):
 
 
 def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale,
-            p_fp4, out_dtype, rotate=False):
+            p_fp4, out_dtype, rotate=False, key_starts_aligned=False):
     """`lowbit_flash_forward`; e4m3 inputs without scales run with unit scales (benchmarks time the scale work)."""
     tq, h = q.shape[:2]
     d = vt.shape[1]
@@ -452,13 +454,6 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
         vmax = torch.empty_like(v_scale)
         _prefix_max_kernel[(batch, hkv)](v_scale, vmax, cu_seqlens_k, HKV=hkv, BLOCK=32 if interpreting() else 1024,
                                          num_warps=4)
-    if scaled and not qk_mx and USE_GLUON and gla.supported(q, k, vt, q_scale, p_fp4):
-        out, lse = gla.gluon_lowbit_forward(q, q_scale, k, k_scale, vt, v_scale, vmax, cu_seqlens_q=cu_seqlens_q,
-                                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, causal=causal,
-                                            softmax_scale=scale, out_dtype=out_dtype)
-        if rotate:  # back from the rotated basis, as the Triton kernel does in its epilogue
-            out = torch.matmul(out, hadamard_pm1(d, q.device, out.dtype)).mul_(1.0 / math.sqrt(d))
-        return out, lse
 
     def launch(k_arg, ks_arg, v_arg, vs_arg, tma, scale_load, t_s):
         _lowbit_fwd_kernel[grid](
@@ -475,7 +470,7 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
         launch(k, v_scale, vt, v_scale, False, 0, 0)
         return out, lse
     key = (d_pad, q.dtype, cfg)
-    desc = None if key in _TMA_FAILED else _tma_descriptors(k, vt, d, d_pad, block_n)
+    desc = None if key in _TMA_FAILED or not key_starts_aligned else _tma_descriptors(k, vt, d, d_pad, block_n)
     mode = _SCALE_MODES[cfg[4] if len(cfg) > 4 else SCALE_LOAD] if scaled else 0
     if mode in (1, 3) and desc is None:
         mode = 0
