@@ -448,6 +448,62 @@ def test_gluon_runs_one_packing_varlen_as_packed_segments(monkeypatch, features)
     assert backends._as_segments(params, 20).segments is backends._as_segments(params, 20).segments
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for the test (Transformers' enable_full_determinism sets it)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def test_gluon_backward_hands_over_to_triton_when_torch_asks_for_determinism(monkeypatch, request):
+    # the Gluon backward adds dQ tiles with atomics; under torch.use_deterministic_algorithms(True) the (atomic-free)
+    # Triton backward runs instead, on the Gluon forward's out and lse. The interpreted Triton forward stands in for
+    # the Gluon one, a recorder for the Gluon backward (both need a Hopper GPU: tests/gpu)
+    from hf_fastpath.attention import ops
+    from hf_fastpath.kernels import gluon_attention_bwd as gb
+    from hf_fastpath.kernels.flash_attention import flash_attention_forward
+
+    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale, left, right, cap:
+                        flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask,
+                                                segments=segments, window_size=(left, right), softcap=cap))
+    ran = []
+    monkeypatch.setattr(gb, "supported", lambda *a: True)
+    monkeypatch.setattr(gb, "gluon_attention_backward", lambda dout, q, k, v, *a, **kw: ran.append(1) or (
+        torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=32))
+    params = AttentionParams(causal=True, softmax_scale=0.3)
+
+    def grads():
+        out, _ = ops.gluon_attn(q, k, v, params)
+        return torch.autograd.grad(out.sum(), (q, k, v))
+
+    assert all((g == 0).all() for g in grads()) and ran == [1]  # the (recorded) Gluon backward
+    request.getfixturevalue("deterministic_algorithms")
+    got = grads()
+    assert ran == [1]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(reference.attention_forward(q64, k64, v64, causal=True, softmax_scale=0.3)[0].sum(),
+                               (q64, k64, v64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3", "fa4"])
+def test_flash_attention_is_asked_for_determinism_when_torch_is(install, monkeypatch, request, name):
+    install(name)
+    module = sys.modules[FACTORIES[name][0]]
+    seen, real = [], module.flash_attn_func
+    monkeypatch.setattr(module, "flash_attn_func", lambda *a, deterministic=False, **kw: seen.append(deterministic)
+                        or real(*a, **kw))
+    q, k, v = _qkv(d=64, grad=False)
+    attention(q, k, v, causal=True, backend=name)
+    request.getfixturevalue("deterministic_algorithms")
+    attention(q, k, v, causal=True, backend=name)
+    assert seen == [False, True]
+
+
 def test_gluon_that_does_not_build_falls_back_to_triton(install, monkeypatch, caplog):
     # a Triton whose Gluon API differs from the versions we build against: the call still returns the right
     # answer (our Triton kernel), one warning says why, and "auto" stops choosing Gluon

@@ -110,6 +110,13 @@ def _import(module: str):
 
 
 @torch.compiler.assume_constant_result
+def _deterministic() -> bool:
+    # torch.use_deterministic_algorithms(True) (Transformers' enable_full_determinism sets it): FlashAttention's
+    # backward then runs its deterministic variant; our Gluon backward hands over to the Triton one (`ops`)
+    return torch.are_deterministic_algorithms_enabled()
+
+
+@torch.compiler.assume_constant_result
 def _importable(module: str) -> bool:
     # Dynamo cannot trace an import (a graph break); a constant-result function runs in Python at trace time
     return _import(module) is not None
@@ -164,7 +171,7 @@ class FA2Backend(_FlashBackend):
         common = dict(dropout_p=dropout_p, softmax_scale=p.softmax_scale, causal=p.causal,
                       window_size=tuple(p.window_size), softcap=p.softcap,
                       alibi_slopes=None if p.alibi_slopes is None else p.alibi_slopes.float(),
-                      deterministic=False, return_attn_probs=return_lse)
+                      deterministic=_deterministic(), return_attn_probs=return_lse)
         if p.varlen:
             res = fa.flash_attn_varlen_func(q, k, v, p.cu_seqlens_q.to(torch.int32), p.cu_seqlens_k.to(torch.int32),
                                             _max_len(p, "q"), _max_len(p, "k"), **common)
@@ -197,6 +204,8 @@ class FA3Backend(_FlashBackend):
         fa = self.load()
         common = dict(softmax_scale=p.softmax_scale, causal=p.causal, window_size=tuple(p.window_size),
                       softcap=p.softcap)
+        if _deterministic():  # only when asked: older FA3 builds have no such argument
+            common["deterministic"] = True
         if p.varlen:
             res = fa.flash_attn_varlen_func(q, k, v, p.cu_seqlens_q.to(torch.int32), p.cu_seqlens_k.to(torch.int32),
                                             _max_len(p, "q"), _max_len(p, "k"), return_attn_probs=return_lse,
@@ -234,6 +243,8 @@ class FA4Backend(_FlashBackend):
         common = dict(softmax_scale=p.softmax_scale, causal=p.causal,
                       window_size=(None if left < 0 else left, None if right < 0 else right),
                       softcap=p.softcap, return_lse=return_lse)
+        if _deterministic():
+            common["deterministic"] = True
         if p.varlen:
             res = fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q=p.cu_seqlens_q.to(torch.int32),
                                             cu_seqlens_k=p.cu_seqlens_k.to(torch.int32),
@@ -334,7 +345,8 @@ class GluonBackend:
     warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256 (hd256: the Triton backward), causal or
     not, with or without a padding mask or packed segments, a sliding window or a soft-cap, and varlen calls whose
     queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table says
-    it beats SDPA and our Triton kernel."""
+    it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)` its backward is the
+    Triton one (the Gluon dQ accumulates with atomics)."""
 
     name = "gluon"
     takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)

@@ -103,6 +103,8 @@ def attention(
     faster for such a call on this GPU (`dispatch.py`); the reference on CPU unless TRITON_INTERPRET=1), or one of
     "triton", "sdpa", "fa2", "fa3", "fa4", "reference" (fails clearly when missing or unable to serve the call).
     `dropout_p > 0` needs FA2 (flash-attn); the other backends raise NotImplementedError.
+    Under `torch.use_deterministic_algorithms(True)` gradients are bitwise repeatable: FlashAttention gets
+    `deterministic=True`, and our Gluon backward (whose dQ adds with atomics) hands over to the Triton one.
     """
     from .backends import select_backend
 

@@ -157,7 +157,9 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax
 
     masks = _gluon_kwargs(key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
     triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
-    if not supported(dout, q, k, v, causal):  # e.g. Sq * Hq * D past 32-bit dQ offsets
+    # e.g. Sq * Hq * D past 32-bit dQ offsets; or torch.use_deterministic_algorithms(True): the Gluon dQ adds its
+    # tiles with atomics (run to run differences in the last bits), the Triton backward has none
+    if not supported(dout, q, k, v, causal) or torch.are_deterministic_algorithms_enabled():
         return triton_call()
     return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, **masks), triton_call)
 
