@@ -445,9 +445,10 @@ def test_mask_arguments_are_reused_per_mask_and_die_with_it():
     first = ta._static_cache_args(mask)
     assert ta._static_cache_args(mask)["seqused_k"] is first["seqused_k"]
     seqused = weakref.ref(first["seqused_k"])
+    slot = id(mask)
     del mask, first
     gc.collect()
-    assert seqused() is None and ta._last_mask_info[0] is None
+    assert seqused() is None and slot not in ta._SEQUSED
 
 
 def test_equal_cu_seq_lens_reach_the_kernel_as_one_tensor_once_per_forward(monkeypatch):

@@ -37,7 +37,6 @@ import functools
 import inspect
 import logging
 import math
-import weakref
 
 import torch
 
@@ -45,7 +44,7 @@ from ..attention import attention
 from ..attention.backends import select_backend
 from ..attention.interface import _unpadded
 from ..attention.params import AttentionParams
-from ..kernels.common import warn_once
+from ..kernels.common import derived_once, warn_once
 from ..kernels.flash_attention import cu_seqlens_segment_ids, segment_table
 from .falcon import alibi_slopes_of
 
@@ -143,57 +142,35 @@ def _packed_segments(mask_function, batch_size, length, device, compiling):
 # What the kernel is told about the keys: derived on the device, never read on the host while compiling. Eagerly,
 # the few derived tensors are computed by the first layer and reused by the others (all layers share one mask).
 
-_last_mask_info: list = [None]
-_last_position_info: list = [None]
-_last_packing_info: list = [None]
+# One cache per kind, per tensor (`kernels.common.derived_once`): an entry goes with its tensor, since a tensor kept
+# past its forward would shift where the next `generate()` allocates its static cache (CUDA graphs then re-record).
+_SEQUSED: dict = {}
+_POSITION_SEGMENTS: dict = {}
+_PACKINGS: dict = {}
 
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _remember(slot, tensor, info):
-    """Keep `info` for as long as `tensor` lives, and no longer: a tensor kept past its forward would shift where
-    the next `generate()` allocates its static cache, and CUDA graphs re-record when a static input moves."""
-    if _compiling():
-        return
-
-    def forget(ref, slot=slot):
-        if slot[0] is not None and slot[0][0] is ref:
-            slot[0] = None
-
-    slot[0] = (weakref.ref(tensor, forget), tensor._version, info)
-
-
-def _recall(slot, tensor):
-    cached = slot[0]
-    if not _compiling() and cached is not None and cached[0]() is tensor and cached[1] == tensor._version:
-        return cached[2]
-    return None
-
-
 def _static_cache_args(codes: torch.Tensor) -> dict:
     """Kernel arguments for the int8 static-cache table: the keys in use per row, and the padding."""
-    seqused = _recall(_last_mask_info, codes)
-    if seqused is None:
-        seqused = (codes >= 0).sum(-1, dtype=torch.int32)
-        _remember(_last_mask_info, codes, seqused)
+    seqused = derived_once(_SEQUSED, codes, None, lambda: (codes >= 0).sum(-1, dtype=torch.int32))
     return {"key_mask": codes, "seqused_k": seqused}
 
 
 def _position_segments(position_ids: torch.Tensor):
     """Eagerly: the packed-sequence table of a `[1, T]` batch whose positions restart (a new sequence wherever the
     position does not grow by one, as Transformers' masks define it), or None for one plain sequence."""
-    cached = _recall(_last_position_info, position_ids)
-    if cached is not None:
-        return cached["segments"]
-    starts = torch.diff(position_ids.reshape(1, -1), dim=-1) != 1
-    segments = None
-    if bool(starts.any()):  # one host sync per forward
+
+    def make():
+        starts = torch.diff(position_ids.reshape(1, -1), dim=-1) != 1
+        if not bool(starts.any()):  # one host sync per forward
+            return None
         ids = torch.cat([starts.new_zeros(1, 1, dtype=torch.int32), starts.cumsum(-1, dtype=torch.int32)], dim=1)
-        segments = segment_table(ids)
-    _remember(_last_position_info, position_ids, {"segments": segments})
-    return segments
+        return segment_table(ids)
+
+    return derived_once(_POSITION_SEGMENTS, position_ids, None, make)
 
 
 def _packing(cu_q: torch.Tensor, cu_k: torch.Tensor, device) -> tuple:
@@ -205,14 +182,14 @@ def _packing(cu_q: torch.Tensor, cu_k: torch.Tensor, device) -> tuple:
     as_int = lambda t: t.to(device=device, dtype=torch.int32)  # noqa: E731
     if cu_q is cu_k:
         return (as_int(cu_q),) * 2
-    cached = _recall(_last_packing_info, cu_q)  # None while compiling
-    if cached is not None and cached[0]() is cu_k and cached[1] == cu_k._version:
-        return cached[2]
-    pair = (as_int(cu_q), as_int(cu_k))
-    if not _compiling() and pair[0].shape == pair[1].shape and torch.equal(*pair):
-        pair = (pair[0],) * 2
-    _remember(_last_packing_info, cu_q, (weakref.ref(cu_k), cu_k._version, pair))
-    return pair
+
+    def make():
+        pair = (as_int(cu_q), as_int(cu_k))
+        if not _compiling() and pair[0].shape == pair[1].shape and torch.equal(*pair):
+            pair = (pair[0],) * 2
+        return cu_k, pair  # cu_k lives as long as the entry: its id in the key cannot be reused meanwhile
+
+    return derived_once(_PACKINGS, cu_q, (id(cu_k), cu_k._version), make)[1]
 
 
 def _plan(name, attention_mask, q, k, kwargs, training=False) -> dict:
