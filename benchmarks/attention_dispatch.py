@@ -5,7 +5,8 @@
     python benchmarks/attention_dispatch.py --plot F   # PNG from a results JSON (no GPU needed)
     python benchmarks/attention_dispatch.py --write-table F   # the package's table from F, plus the masked rows of
         benchmarks/results/gluon_attention_masked.json (padded / packed batches: Triton and Gluon) and the windowed
-        rows of gluon_attention_window*.json (sliding windows, soft-caps)
+        rows of gluon_attention_window*.json (sliding windows, soft-caps) and the alibi rows of
+        gluon_attention_alibi.json
     python benchmarks/attention_dispatch.py --only prefill --head-dims 256 --out F   # a subset (merge it by hand)
 
 Calls are made the way each runs inside a model:
@@ -298,9 +299,9 @@ def write_table(path):
     meta["source"] = "benchmarks/results/" + os.path.basename(path)
     here = os.path.dirname(os.path.abspath(path))
     # calls SDPA does not serve, timed for Triton and Gluon: padded / packed batches ("masked" rows), sliding windows
-    # and soft-caps ("windowed" rows: Mistral, Gemma-2)
+    # and soft-caps ("windowed" rows: Mistral, Gemma-2), ALiBi ("alibi" rows: BLOOM, Falcon-RW, MPT)
     for name, kind in (("gluon_attention_masked.json", "masked"), ("gluon_attention_window.json", "windowed"),
-                       ("gluon_attention_window_hd256.json", "windowed")):
+                       ("gluon_attention_window_hd256.json", "windowed"), ("gluon_attention_alibi.json", "alibi")):
         if os.path.exists(os.path.join(here, name)):
             rows += _gluon_rows(os.path.join(here, name), kind)
             meta.setdefault(f"{kind}_sources", []).append("benchmarks/results/" + name)

@@ -1,7 +1,8 @@
-"""Padded, packed, sliding-window and soft-capped attention on Hopper: the Gluon kernels (`gluon_attention_forward`
-/ `_backward` with `key_mask`, `segments`, `window_size` or `softcap`) beside our plain-Triton kernels on the same
-calls, SDPA with the boolean mask Transformers' "sdpa" builds for such batches (torch picks the kernel: efficient
-attention; it has no soft-cap, so those rows time it without one), and cuDNN on the same tokens without any mask
+"""Padded, packed, sliding-window, soft-capped and ALiBi attention on Hopper: the Gluon kernels
+(`gluon_attention_forward` / `_backward` with `key_mask`, `segments`, `window_size`, `softcap` or `alibi_slopes`) beside
+our plain-Triton kernels on the same calls, SDPA with the boolean mask Transformers' "sdpa" builds for such batches
+(ALiBi: the float bias BLOOM / Falcon build; torch picks the kernel: efficient attention; it has no soft-cap, so
+those rows time it without one), and cuDNN on the same tokens without any mask
 (what an unpadded, unpacked, unwindowed batch would cost: a bound, not a peer). Forward and forward + backward,
 median of `triton.testing.do_bench`, after a check of each against float64 on a small case. FLOPs count the visible
 (query, key) pairs: 4 * H * D * pairs forward, 2.5x that backward.
@@ -9,6 +10,7 @@ median of `triton.testing.do_bench`, after a check of each against float64 on a 
     python benchmarks/gluon_attention_masked.py           # GPU: writes benchmarks/results/gluon_attention_masked.json
     python benchmarks/gluon_attention_masked.py --kinds window softcap \
         --json benchmarks/results/gluon_attention_window.json    # the sliding-window / soft-cap rows
+    python benchmarks/gluon_attention_masked.py --kinds alibi --json benchmarks/results/gluon_attention_alibi.json
     python benchmarks/gluon_attention_masked.py --plot F     # no GPU needed: PNG beside the JSON F
 """
 
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gluon_attention_masked.json")
 HEADS = {64: (32, 32), 128: (32, 8), 256: (16, 8)}  # (query heads, kv heads): GPT-2-like MHA, Llama-3-8B, Gemma-2-9B
 TOKENS = 16384
-KINDS = ("packed", "padded", "window", "softcap")
+KINDS = ("packed", "padded", "window", "softcap", "alibi")
 WINDOW = 4095  # keys before the query: Mistral's and Gemma-2's sliding window of 4096
 SOFTCAP = 50.0  # Gemma-2's attention soft-cap
 
@@ -41,7 +43,7 @@ def cases(kinds=KINDS):
     """(kind, batch, seq, mean document length, causal): packed rows of documents averaging `mean` tokens (causal, as
     packed training runs), padded batches with random lengths from half to all of `seq` (causal and not), causal
     sliding windows of 4096 keys from 8k tokens (with and without Gemma-2's soft-cap), and soft-capped causal
-    attention."""
+    attention, and ALiBi (causal as BLOOM / Falcon-RW / MPT train, and not)."""
     if "packed" in kinds:
         for s, mean in ((4096, 512), (8192, 2048)):
             yield "packed", TOKENS // s, s, mean, True
@@ -56,15 +58,32 @@ def cases(kinds=KINDS):
     if "softcap" in kinds:
         for s in (1024, 4096):
             yield "softcap", TOKENS // s, s, None, True
+    if "alibi" in kinds:
+        for s in (1024, 4096):
+            for causal in (True, False):
+                yield "alibi", TOKENS // s, s, None, causal
 
 
-def masks(kind, b, s, mean, seed=0):
-    """(kwargs for our kernels, the [B, 1, S, S] boolean mask for SDPA, visible (query, key) pairs before causality
-    as [B, S or 1, S])."""
+def alibi_slopes(heads):
+    """ALiBi's slopes 2^(-8 i / heads), i = 1..heads."""
+    return 2.0 ** (-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
+
+
+def masks(kind, b, s, mean, seed=0, heads=1, causal=True):
+    """(kwargs for our kernels, the [B, 1, S, S] boolean mask for SDPA (ALiBi: the [1, heads, S, S] bf16 bias, the
+    causal mask folded in), visible (query, key) pairs before causality as [B, S or 1, S])."""
     from hf_fastpath.kernels.flash_attention import segment_table
 
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(s)
+    if kind == "alibi":
+        slopes = alibi_slopes(heads)
+        p = pos.cuda()
+        bias = -slopes[:, None, None] * (p[:, None] - p[None, :]).abs()
+        if causal:
+            bias = bias.masked_fill(p[None, :] > p[:, None], float("-inf"))
+        band = torch.ones(s, s, dtype=torch.bool, device="cuda")
+        return dict(alibi_slopes=slopes), bias[None].to(torch.bfloat16), band[None].expand(b, s, s)
     if kind in ("window", "window_softcap", "softcap"):
         kw = dict(softcap=SOFTCAP) if kind.endswith("softcap") else {}
         if kind.startswith("window"):
@@ -88,6 +107,8 @@ def masks(kind, b, s, mean, seed=0):
 
 
 def _sdpa_mask(mask, causal):
+    if mask.dtype != torch.bool:  # a float bias (ALiBi) comes with causality folded in
+        return mask
     s = mask.shape[-1]
     return mask & torch.ones(s, s, dtype=torch.bool, device=mask.device).tril() if causal else mask
 
@@ -149,10 +170,10 @@ def check(impls):
 
     errors = {}
     for kind, causal in (("packed", True), ("padded", True), ("padded", False), ("window", True),
-                         ("window_softcap", True)):
+                         ("window_softcap", True), ("alibi", True), ("alibi", False)):
         b, s, (hq, hkv), d = 2, 777, HEADS[128], 128
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-        kw, sdpa_mask, _ = masks(kind, b, s, 100)
+        kw, sdpa_mask, _ = masks(kind, b, s, 100, heads=hq, causal=causal)
         if "window_size" in kw:
             kw["window_size"] = (300, -1)  # inside the 777 tokens
             p = torch.arange(s, device="cuda")
@@ -178,7 +199,7 @@ def bench(impls, head_dims, kinds=KINDS):
         for kind, b, s, mean, causal in cases(kinds):
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
             do = torch.randn_like(q)
-            kw, sdpa_mask, visible = masks(kind, b, s, mean)
+            kw, sdpa_mask, visible = masks(kind, b, s, mean, heads=hq, causal=causal)
             sdpa_mask = _sdpa_mask(sdpa_mask, causal)
             fl = 4 * hq * d * _pairs(visible, causal)
             row = dict(kind=kind, head_dim=d, heads=hq, kv_heads=hkv, batch=b, seq=s, mean_doc=mean, causal=causal)
@@ -226,7 +247,7 @@ def plot(path, png):
         ax.legend(fontsize=7)
         ax.grid(axis="x", alpha=0.3)
     meta = data["meta"]
-    fig.suptitle(f"Padded / packed / windowed / soft-capped attention, {meta['gpu']}, bf16, torch {meta['torch']}, "
+    fig.suptitle(f"Padded / packed / windowed / soft-capped / ALiBi attention, {meta['gpu']}, bf16, torch {meta['torch']}, "
                  f"triton {meta['triton']}")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(png, dpi=90)

@@ -23,11 +23,11 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
-def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=False, softcap=False):
+def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=False, softcap=False, alibi=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = cfg or ga.config(head_dim, causal)
-    fn, constexprs = ga.kernel_args(head_dim, causal, cfg, mask_mode, window, softcap)
+    fn, constexprs = ga.kernel_args(head_dim, causal, cfg, mask_mode, window, softcap, alibi)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for p in fn.params:
@@ -51,6 +51,11 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
                 sig[p.name] = MASK_POINTER[mask_mode]
             else:
                 sig[p.name], constexprs = "constexpr", dict(constexprs, km_ptr=None)
+        elif p.name == "slopes_ptr":  # ALiBi's slopes, else None
+            if alibi:
+                sig[p.name] = "*fp32"
+            else:
+                sig[p.name], constexprs = "constexpr", dict(constexprs, slopes_ptr=None)
         elif p.name == "run_ptr":  # a key mask's runs of real keys, else None
             if mask_mode == 1:
                 sig[p.name] = "*i32"
@@ -64,9 +69,9 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
 
 
 def cases():
-    """(name, head dim, causal, dtype, config, mask mode, window, softcap): the defaults, the masked kernels (hd128 in
-    each mode and causality, hd64 causal), sliding window and soft-cap kernels, then every opt-in variant of
-    `ga.variants`."""
+    """(name, head dim, causal, dtype, config, mask mode, window, softcap[, alibi]): the defaults, the masked kernels
+    (hd128 in each mode and causality, hd64 causal), sliding window, soft-cap and ALiBi kernels, then every opt-in
+    variant of `ga.variants`."""
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
             yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16", head_dim, causal, torch.bfloat16, None, 0,
@@ -84,6 +89,10 @@ def cases():
     yield "fwd hd128 full bf16 window", 128, False, torch.bfloat16, None, 0, True, False
     yield "fwd hd128 causal bf16 window packed", 128, True, torch.bfloat16, None, 2, True, False
     yield "fwd hd128 causal bf16 window keymask softcap", 128, True, torch.bfloat16, None, 1, True, True
+    for head_dim, causal in ((64, True), (128, True), (128, False)):  # Falcon-RW / BLOOM / MPT shapes
+        yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 alibi", head_dim, causal, torch.bfloat16, None,
+               0, False, False, True)
+    yield "fwd hd128 causal bf16 alibi keymask", 128, True, torch.bfloat16, None, 1, False, False, True
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
             for variant, cfg in ga.variants(head_dim, causal).items():
@@ -93,11 +102,11 @@ def cases():
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype, cfg, mask_mode, window, softcap in cases():
+    for name, head_dim, causal, dtype, cfg, mask_mode, window, softcap, *alibi in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype, cfg, mask_mode, window, softcap)
+            kernel = build(head_dim, causal, dtype, cfg, mask_mode, window, softcap, *alibi)
             ptx = kernel.asm.get("ptx", "")
             cfg = cfg or ga.config(head_dim, causal)
             o_buffer = ga.kernel_args(head_dim, causal, cfg)[1].get("O_BUFFER", False)

@@ -24,10 +24,10 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
-def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False):
+def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False, alibi=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode, window, softcap)
+    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode, window, softcap, alibi)
     cfg = gb.launch(variant)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
@@ -45,7 +45,9 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
                 sig[p.name] = MASK_POINTER[mask_mode]
             else:
                 sig[p.name], constexprs = "constexpr", dict(constexprs, km_ptr=None)
-        elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer
+        elif p.name == "slopes_ptr" and not alibi:  # None without ALiBi
+            sig[p.name], constexprs = "constexpr", dict(constexprs, slopes_ptr=None)
+        elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer, ALiBi's slopes
             sig[p.name] = "*fp32"
         else:
             sig[p.name] = "fp32" if p.name in ("qk_scale", "sm_scale", "cap_scale") else "i32"
@@ -56,9 +58,10 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
 
 
 def cases():
-    """(name, head dim, causal, dtype, variant, mask mode, window, softcap): every head dim, causality and variant in
-    bf16, causal fp16, the key-mask and packed kernels causal at both head dims and full at hd128, and the
-    sliding-window and soft-cap kernels (causal at both head dims; with packed segments or soft-cap at hd128)."""
+    """(name, head dim, causal, dtype, variant, mask mode, window, softcap[, alibi]): every head dim, causality and
+    variant in bf16, causal fp16, the key-mask and packed kernels causal at both head dims and full at hd128, the
+    sliding-window and soft-cap kernels (causal at both head dims; with packed segments or soft-cap at hd128), and
+    ALiBi (causal at both head dims, full and with a key mask at hd128)."""
     for head_dim in gb.HEAD_DIMS:
         for variant in gb.VARIANTS:
             for causal in (False, True):
@@ -77,15 +80,21 @@ def cases():
                        variant, 2, True, False)
                 yield (f"bwd hd{head_dim} causal bf16 {variant} window softcap", head_dim, True, torch.bfloat16,
                        variant, 0, True, True)
+                yield (f"bwd hd{head_dim} full bf16 {variant} alibi", head_dim, False, torch.bfloat16, variant, 0,
+                       False, False, True)
+                yield (f"bwd hd{head_dim} causal bf16 {variant} alibi keymask", head_dim, True, torch.bfloat16,
+                       variant, 1, False, False, True)
+            yield (f"bwd hd{head_dim} causal bf16 {variant} alibi", head_dim, True, torch.bfloat16, variant, 0, False,
+                   False, True)
 
 
 def main():
     only = sys.argv[1:]
-    for name, head_dim, causal, dtype, variant, mask_mode, window, softcap in cases():
+    for name, head_dim, causal, dtype, variant, mask_mode, window, softcap, *alibi in cases():
         if only and not any(o in name for o in only):
             continue
         try:
-            kernel = build(head_dim, causal, dtype, variant, mask_mode, window, softcap)
+            kernel = build(head_dim, causal, dtype, variant, mask_mode, window, softcap, *alibi)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   shared_estimate=gb.shared_bytes(head_dim, variant),

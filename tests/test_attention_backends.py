@@ -297,12 +297,17 @@ def test_gluon_backend_takes_dense_hopper_calls_only(install, monkeypatch):
     assert why(q, k, v, plain._replace(key_mask=torch.ones(2, 12))) is None  # padding
     assert why(q, k, v, plain._replace(segments=segment_table(torch.zeros(2, 12, dtype=torch.int32)))) is None
     assert why(q, k, v, plain._replace(softcap=30.0)) is None
-    assert "ALiBi" in why(q, k, v, plain._replace(alibi_slopes=torch.ones(4)))
+    assert why(q, k, v, plain._replace(alibi_slopes=torch.ones(4))) is None
+    assert why(q, k, v, plain._replace(alibi_slopes=torch.ones(2, 4))) is None
     assert "static-cache" in why(q, k, v, plain._replace(seqused_k=torch.full((2,), 12)))
     # varlen: only with queries and keys packed alike, which it can tell only from one cu_seqlens tensor for both
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     cu = torch.tensor([0, 5, 24], dtype=torch.int32)
     assert why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu)) is None
+    # one packed row has one slope per head: per-sequence slopes need the dense layout
+    assert why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu, alibi_slopes=torch.ones(4))) is None
+    assert "per-sequence ALiBi" in why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                            alibi_slopes=torch.ones(2, 4)))
     assert "one tensor as both" in why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu.clone()))
     install(capability=(8, 0))
     assert "Hopper" in gluon.missing()
@@ -350,6 +355,15 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
                          dict(PREFILL_ROW, windowed=True, triton_ms=1.0, gluon_ms=0.8)])
     assert select_backend("auto", q, k, v, plain._replace(softcap=30.0)).name == "gluon"
     assert select_backend("auto", q, k, v, plain._replace(key_mask=torch.ones(2, 16))).name == "triton"
+    # ALiBi (BLOOM, Falcon-RW): its own rows where measured, else the masked ones, then the plain ones
+    alibi = plain._replace(alibi_slopes=torch.ones(4))
+    assert select_backend("auto", q, k, v, alibi).name == "triton"  # the masked row
+    _table(monkeypatch, [dict(PREFILL_ROW, masked=True, triton_ms=1.0, gluon_ms=1.2),
+                         dict(PREFILL_ROW, windowed=True, triton_ms=1.0, gluon_ms=1.3),
+                         dict(PREFILL_ROW, alibi=True, triton_ms=1.0, gluon_ms=0.8)])
+    assert select_backend("auto", q, k, v, alibi).name == "gluon"
+    assert select_backend("auto", q, k, v, plain._replace(softcap=30.0)).name == "triton"
+    assert "alibi hd64" in dispatch.explain((9, 0))[2]
     # rows measured with masks decide masked calls where the table has them (the plain rows, plain calls)
     q64, k64, v64 = _qkv(b=2, s=16, hq=4, hkv=2, d=64, grad=False)
     _table(monkeypatch, [dict(PREFILL_ROW, triton_ms=1.0, sdpa_ms=0.8, gluon_ms=0.7),
@@ -370,32 +384,39 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
     assert seen == [(q.shape, False, True, False), (q.shape, False, False, True)]
 
 
-@pytest.mark.parametrize("mask", ["none", "key_mask", "segments", "window_softcap"])
+def _triton_as_gluon_forward(q, k, v, key_mask, segments, slopes, causal, scale, left, right, cap):
+    """`ops._gluon_forward`'s stand-in off-GPU: the interpreted Triton forward on the same arguments."""
+    from hf_fastpath.kernels.flash_attention import flash_attention_forward
+
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask, segments=segments,
+                                   window_size=(left, right), softcap=cap, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("mask", ["none", "key_mask", "segments", "window_softcap", "alibi_key_mask"])
 def test_gluon_op_shapes_and_gradients(monkeypatch, mask):
-    # the custom ops' fake shapes, and their autograd with the masks, window and soft-cap passed through to the
+    # the custom ops' fake shapes, and their autograd with the masks, window, soft-cap and ALiBi passed through to the
     # backward op. The Gluon kernels need a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for
     # the Gluon forward, and the backward op falls back to the Triton backward by itself
     # (`gluon_attention_bwd.supported`: no GPU).
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hf_fastpath.attention import ops
-    from hf_fastpath.kernels.flash_attention import flash_attention_forward
 
     with FakeTensorMode():
         q, k = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16), torch.empty(2, 7, 2, 64, dtype=torch.bfloat16)
-        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, None, None, True, 0.125, 3, -1, 0.0)
-        dq, dk, dv = torch.ops.hf_fastpath.gluon_attn_backward(q, q, k, k, q, lse, None, None, True, 0.125, 3, -1,
-                                                               0.0)
+        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, None, None, None, True, 0.125, 3, -1, 0.0)
+        dq, dk, dv = torch.ops.hf_fastpath.gluon_attn_backward(q, q, k, k, q, lse, None, None, None, True, 0.125, 3,
+                                                               -1, 0.0)
     assert out.shape == q.shape and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
-    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale, left, right, cap:
-                        flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask,
-                                                segments=segments, window_size=(left, right), softcap=cap))
+    monkeypatch.setattr(ops, "_gluon_forward", _triton_as_gluon_forward)
     q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=2, s=9, hq=4, hkv=2, d=32))
     masks = {"none": {}, "key_mask": dict(key_mask=torch.tensor([[1] * 9, [0] * 3 + [1] * 6])),
              "segments": dict(segments=segment_table(torch.tensor([[0] * 4 + [1] * 5, [0] + [1] * 7 + [2]]))),
-             "window_softcap": dict(window_size=(3, -1), softcap=1.5)}[mask]
+             "window_softcap": dict(window_size=(3, -1), softcap=1.5),
+             "alibi_key_mask": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+                                    key_mask=torch.tensor([[1] * 9, [0] * 3 + [1] * 6]))}[mask]
     out, _ = ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3, **masks))
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
@@ -423,11 +444,8 @@ def test_gluon_runs_one_packing_varlen_as_packed_segments(monkeypatch, features)
     # with empty and one-token sequences; the LSE comes back in the varlen layout [H, T]. The interpreted Triton
     # kernels stand in for the Gluon ones (which need a Hopper GPU: tests/gpu)
     from hf_fastpath.attention import ops
-    from hf_fastpath.kernels.flash_attention import flash_attention_forward
 
-    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale, left, right, cap:
-                        flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask,
-                                                segments=segments, window_size=(left, right), softcap=cap))
+    monkeypatch.setattr(ops, "_gluon_forward", _triton_as_gluon_forward)
     cu = torch.tensor([0, 5, 5, 6, 13, 20], dtype=torch.int32)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(20, h, 32, generator=g).requires_grad_() for h in (4, 2, 2))
@@ -463,11 +481,8 @@ def test_gluon_backward_hands_over_to_triton_when_torch_asks_for_determinism(mon
     # the Gluon one, a recorder for the Gluon backward (both need a Hopper GPU: tests/gpu)
     from hf_fastpath.attention import ops
     from hf_fastpath.kernels import gluon_attention_bwd as gb
-    from hf_fastpath.kernels.flash_attention import flash_attention_forward
 
-    monkeypatch.setattr(ops, "_gluon_forward", lambda q, k, v, key_mask, segments, causal, scale, left, right, cap:
-                        flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask,
-                                                segments=segments, window_size=(left, right), softcap=cap))
+    monkeypatch.setattr(ops, "_gluon_forward", _triton_as_gluon_forward)
     ran = []
     monkeypatch.setattr(gb, "supported", lambda *a: True)
     monkeypatch.setattr(gb, "gluon_attention_backward", lambda dout, q, k, v, *a, **kw: ran.append(1) or (

@@ -63,7 +63,7 @@ class Request(NamedTuple):
     varlen: bool
     window: bool
     softcap: bool
-    alibi: bool
+    alibi: int  # 0: none; slopes per head (1) or per batch row and head (2)
     dropout: bool
     capability: tuple | None  # None: not on CUDA
     causal: bool = False
@@ -86,11 +86,15 @@ class Request(NamedTuple):
         else:
             batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
         return cls(q.dtype, q.shape[-1], v.shape[-1], params.varlen, params.has_window, bool(params.softcap),
-                   params.alibi_slopes is not None, dropout_p > 0, cuda_capability(q), params.causal,
+                   _alibi_dims(params), dropout_p > 0, cuda_capability(q), params.causal,
                    params.key_mask is not None or params.segments is not None, params.seqused_k is not None,
                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), return_lse,
                    batch, q_len, kv_len, q.shape[-2], k.shape[-2],
                    params.varlen and params.cu_seqlens_q is params.cu_seqlens_k and q.shape[0] == k.shape[0])
+
+
+def _alibi_dims(params: AttentionParams) -> int:
+    return 0 if params.alibi_slopes is None else params.alibi_slopes.dim()
 
 
 _MISSING: set[str] = set()
@@ -343,9 +347,9 @@ def _gluon_importable() -> bool:
 class GluonBackend:
     """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
     warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256 (hd256: the Triton backward), causal or
-    not, with or without a padding mask or packed segments, a sliding window or a soft-cap, and varlen calls whose
-    queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table says
-    it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)` its backward is the
+    not, with or without a padding mask or packed segments, a sliding window, a soft-cap or ALiBi, and varlen calls
+    whose queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table
+    says it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)` its backward is the
     Triton one (the Gluon dQ accumulates with atomics)."""
 
     name = "gluon"
@@ -378,7 +382,10 @@ class GluonBackend:
         if req.varlen and not req.one_packing:
             return ("takes varlen inputs only with queries and keys packed alike: pass one tensor as both "
                     "cu_seqlens_q and cu_seqlens_k")
-        for used, what in ((req.alibi, "ALiBi"), (req.dropout, "dropout"), (req.seqused, "static-cache lengths")):
+        if req.varlen and req.alibi == 2:
+            return ("takes per-sequence ALiBi slopes ([batch, heads]) only in dense calls; pass slopes per head "
+                    "([heads])")
+        for used, what in ((req.dropout, "dropout"), (req.seqused, "static-cache lengths")):
             if used:
                 return f"has no {what}"
         return None
@@ -437,7 +444,7 @@ def _signature(q, k, v, p: AttentionParams, dropout_p, return_lse):
     sk = k.shape[-3]
     return (q.dtype, q.device, q.shape, k.shape[:-3], 1 << max(sk - 1, 0).bit_length(), q.shape[-3] == sk,
             k.shape[-2], k.shape[-1], v.shape[-1], p.causal, p.window_size, bool(p.softcap),
-            p.alibi_slopes is None, p.cu_seqlens_q is None, p.max_seqlen_q, p.max_seqlen_k, p.seqused_k is None,
+            _alibi_dims(p), p.cu_seqlens_q is None, p.max_seqlen_q, p.max_seqlen_k, p.seqused_k is None,
             p.cu_seqlens_q is p.cu_seqlens_k, p.key_mask is None, p.segments is None, dropout_p > 0, return_lse,
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 

@@ -118,7 +118,7 @@ def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
 
 # ----------------------------------------------------------------------------------------------------------------
 # The Gluon kernels (Hopper): dense calls, causal or not, with or without a key mask or packed segments, a sliding
-# window or a soft-cap.
+# window, a soft-cap or ALiBi.
 
 
 GLUON_BUILD_ERRORS: list[str] = []  # a Gluon kernel that failed to build here: "auto" stops choosing Gluon
@@ -138,24 +138,25 @@ def _gluon_or_triton(gluon_call, triton_call):
     return triton_call()
 
 
-def _gluon_kwargs(key_mask, segments, causal, softmax_scale, window_left, window_right, softcap):
+def _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap):
     return dict(causal=causal, softmax_scale=softmax_scale, key_mask=key_mask, segments=segments,
-                window_size=(window_left, window_right), softcap=softcap)
+                window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes)
 
 
-def _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale, window_left, window_right, softcap):
+def _gluon_forward(q, k, v, key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right,
+                   softcap):
     from ..kernels.gluon_attention import gluon_attention_forward
 
-    masks = _gluon_kwargs(key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
+    masks = _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap)
     return _gluon_or_triton(partial(gluon_attention_forward, q, k, v, **masks),
                             partial(flash_attention_forward, q, k, v, **masks))
 
 
-def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale, window_left, window_right,
-                    softcap):
+def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, causal, softmax_scale, window_left,
+                    window_right, softcap):
     from ..kernels.gluon_attention_bwd import gluon_attention_backward, supported
 
-    masks = _gluon_kwargs(key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
+    masks = _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap)
     triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
     # e.g. Sq * Hq * D past 32-bit dQ offsets; or torch.use_deterministic_algorithms(True): the Gluon dQ adds its
     # tiles with atomics (run to run differences in the last bits), the Triton backward has none
@@ -166,9 +167,10 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_forward", mutates_args=())
 def gluon_attn_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], segments: Optional[Tensor],
-                       causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                       softcap: float) -> tuple[Tensor, Tensor]:
-    return _gluon_forward(q, k, v, key_mask, segments, causal, softmax_scale, window_left, window_right, softcap)
+                       alibi_slopes: Optional[Tensor], causal: bool, softmax_scale: float, window_left: int,
+                       window_right: int, softcap: float) -> tuple[Tensor, Tensor]:
+    return _gluon_forward(q, k, v, key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right,
+                          softcap)
 
 
 @gluon_attn_forward.register_fake
@@ -178,10 +180,11 @@ def _(q, k, v, key_mask, segments, *args):
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_backward", mutates_args=())
 def gluon_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        key_mask: Optional[Tensor], segments: Optional[Tensor], causal: bool, softmax_scale: float,
-                        window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, causal, softmax_scale, window_left,
-                           window_right, softcap)
+                        key_mask: Optional[Tensor], segments: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                        causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                        softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, causal, softmax_scale,
+                           window_left, window_right, softcap)
 
 
 @gluon_attn_backward.register_fake
@@ -190,17 +193,17 @@ def _(dout, q, k, v, out, lse, *args):
 
 
 def _gluon_setup_context(ctx, inputs, output):
-    q, k, v, key_mask, segments = inputs[:5]
+    q, k, v, key_mask, segments, alibi_slopes = inputs[:6]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, segments)
-    ctx.args = inputs[5:]  # causal, scale, window edges, softcap
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, segments, alibi_slopes)
+    ctx.args = inputs[6:]  # causal, scale, window edges, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _gluon_grad(ctx, dout, _dlse):
-    q, k, v, out, lse, key_mask, segments = ctx.saved_tensors
-    dq, dk, dv = gluon_attn_backward(dout, q, k, v, out, lse, key_mask, segments, *ctx.args)
-    return (dq, dk, dv) + (None,) * 7
+    q, k, v, out, lse, key_mask, segments, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = gluon_attn_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, *ctx.args)
+    return (dq, dk, dv) + (None,) * 8
 
 
 gluon_attn_forward.register_autograd(_gluon_grad, setup_context=_gluon_setup_context)
@@ -208,11 +211,11 @@ gluon_attn_forward.register_autograd(_gluon_grad, setup_context=_gluon_setup_con
 
 def gluon_attn(q, k, v, params: AttentionParams):
     """Differentiable `(out, lse)` of a dense `[B, S, H, D]` call, causal or not, with or without a key mask or packed
-    segments, a sliding window or a soft-cap (no varlen or ALiBi), through the Gluon forward and backward;
+    segments, a sliding window, a soft-cap or ALiBi (no varlen), through the Gluon forward and backward;
     `backends.GluonBackend` says which calls qualify."""
     left, right = params.window_size
-    args = (q, k, v, params.key_mask, params.segments, params.causal, params.softmax_scale, int(left), int(right),
-            float(params.softcap))
+    args = (q, k, v, params.key_mask, params.segments, params.alibi_slopes, params.causal, params.softmax_scale,
+            int(left), int(right), float(params.softcap))
     if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                                or v.requires_grad)):
         return _gluon_forward(*args)

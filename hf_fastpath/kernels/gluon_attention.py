@@ -123,16 +123,17 @@ def _stages_o_in_q(head_dim: int, cfg: Config) -> bool:
 
 
 def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0, window: bool = False,
-                softcap: bool = False) -> tuple:
+                softcap: bool = False, alibi: bool = False) -> tuple:
     """(kernel, its constexprs) for one configuration, mask mode (0 none, 1 key mask, 2 packed segments), left window
-    edge and soft-cap; `causal`: keys bounded on the right (causal, or a right window edge). The launcher and
+    edge, soft-cap and ALiBi; `causal`: keys bounded on the right (causal, or a right window edge). The launcher and
     tests/gluon_builds.py share it."""
     meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
                 PINGPONG=cfg.pingpong, TMA_STORE=cfg.tma_store)
     if not cfg.persistent:
-        return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode, WINDOW=bool(window), SOFTCAP=bool(softcap))
-    if mask_mode or window or softcap:
-        raise ValueError("the persistent variant takes no key mask, segments, window or soft-cap")
+        return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode, WINDOW=bool(window), SOFTCAP=bool(softcap),
+                                      ALIBI=bool(alibi))
+    if mask_mode or window or softcap or alibi:
+        raise ValueError("the persistent variant takes no key mask, segments, window, soft-cap or ALiBi")
     meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
     return _attn_fwd_persistent_kernel, meta
 
@@ -255,15 +256,21 @@ if HAS_GLUON:
     @gluon.jit
     def _online_softmax(s, m_i, l_i, qk_scale, rows, key0, seq_k, diag, diag_lo, cap_scale, key_ok, seg_lo, seg_hi,
                         s_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                        MASK_MODE: gl.constexpr, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
+                        MASK_MODE: gl.constexpr, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+                        alibi_diag=0, alibi_coef=0.0, ALIBI: gl.constexpr = False):
         """Scores of one key tile -> (P unnormalized, the factor for the running output, new max, new sum);
         the max lives in the scaled log2 domain. Masks: key_ok (MASK_MODE 1, per key), each row's segment keys
         seg_lo..seg_hi-1 (MASK_MODE 2), keys before row + diag_lo (WINDOW). SOFTCAP: scores tanh(s * cap_scale),
-        qk_scale then being softcap * log2(e)."""
+        qk_scale then being softcap * log2(e). ALIBI: scores - alibi_coef * |row + alibi_diag - key|, alibi_coef
+        being the head's slope / (qk_scale * ln 2) (the bias in the units of s)."""
         if SOFTCAP:
             s = _tanh(s * cap_scale)
-        if MASKED:
+        if MASKED or ALIBI:
             keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if ALIBI:  # in float: a subtract and an FMA an element (|x| is an operand modifier)
+            dist = gl.expand_dims((rows + alibi_diag).to(gl.float32), 1) - gl.expand_dims(keys.to(gl.float32), 0)
+            s = s - alibi_coef * gl.abs(dist)
+        if MASKED:
             visible = gl.expand_dims(keys < seq_k, 0)
             if CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diag, 1))
@@ -296,7 +303,8 @@ if HAS_GLUON:
                 seq_k, diag, diag_lo, cap_scale, km_row, seg_lo, seg_hi, s_layout: gl.constexpr,
                 o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                 CAUSAL: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr, MASK_MODE: gl.constexpr,
-                WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
+                WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, alibi_diag=0, alibi_coef=0.0,
+                ALIBI: gl.constexpr = False):
         """Key tile j (ring position c, ping-pong turn t): S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} in flight
         together, softmax of S_j under the P.V (and a key mask's load under both wgmmas)."""
         slot = c % STAGES
@@ -318,15 +326,18 @@ if HAS_GLUON:
             if gl.min(key_ok.to(gl.int32), axis=0) > 0:
                 p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag,
                                                          diag_lo, cap_scale, key_ok, seg_lo, seg_hi, s_layout,
-                                                         BLOCK_N, False, CAUSAL, MASK_MODE, WINDOW, SOFTCAP)
+                                                         BLOCK_N, False, CAUSAL, MASK_MODE, WINDOW, SOFTCAP,
+                                                         alibi_diag, alibi_coef, ALIBI)
             else:
                 p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag,
                                                          diag_lo, cap_scale, key_ok, seg_lo, seg_hi, s_layout,
-                                                         BLOCK_N, True, CAUSAL, MASK_MODE, WINDOW, SOFTCAP)
+                                                         BLOCK_N, True, CAUSAL, MASK_MODE, WINDOW, SOFTCAP,
+                                                         alibi_diag, alibi_coef, ALIBI)
         else:
             p_new, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seq_k, diag, diag_lo,
                                                      cap_scale, key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, MASKED,
-                                                     CAUSAL, MASK_MODE, WINDOW, SOFTCAP)
+                                                     CAUSAL, MASK_MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef,
+                                                     ALIBI)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # P stays live until its wgmma has read it
         mbarrier.arrive(kv_empty.index(prev), count=1)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -350,7 +361,8 @@ if HAS_GLUON:
                   q_phase=0, kv0=0, turn0=0, TMA_STORE: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
                   O_BUFFER: gl.constexpr = False, first=0, u0=1, km_ptr=None, km_b=0, km_plane=0,
                   MASK_MODE: gl.constexpr = 0, diag_lo=0, cap_scale=1.0, WINDOW: gl.constexpr = False,
-                  SOFTCAP: gl.constexpr = False, key_lo=0, key_hi=0):
+                  SOFTCAP: gl.constexpr = False, key_lo=0, key_hi=0, alibi_diag=0, alibi_coef=0.0,
+                  ALIBI: gl.constexpr = False):
         """One warpgroup's 64 rows of one query tile: key tiles first..n_tiles-1, unmasked u0..u1-1 (see
         `_tile_plan`). kv0 / turn0: K/V tiles / ping-pong turns this CTA went
         through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
@@ -411,24 +423,27 @@ if HAS_GLUON:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, first * BLOCK_N, seq_k, diag, diag_lo,
                                                  cap_scale, key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL,
-                                                 MODE, WINDOW, SOFTCAP)
+                                                 MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef, ALIBI)
             p = gl.convert_layout(p.to(q.dtype), p_layout)
             if MODE == 2 or WINDOW:  # tiles before u0 start inside some row's segment or window
                 for j in range(first + 1, u0):
                     o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                              turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo,
                                              cap_scale, km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES,
-                                             True, CAUSAL, WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP)
+                                             True, CAUSAL, WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP,
+                                             alibi_diag, alibi_coef, ALIBI)
             for j in range(u0, u1):  # tiles every row sees whole (key mask: unless some of their keys are padding)
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL,
-                                         WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP)
+                                         WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef,
+                                         ALIBI)
             for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL,
-                                         WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP)
+                                         WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef,
+                                         ALIBI)
             if RELEASE_Q_EARLY:  # every Q.K^T has completed
                 mbarrier.arrive(q_empty, count=1)
             last = (kvb + n_tiles - 1) % STAGES
@@ -468,19 +483,20 @@ if HAS_GLUON:
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, out_desc, TMA_STORE: gl.constexpr, first, u0, km_ptr, km_b,
                            km_plane, diag_lo, cap_scale, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, run_lo,
-                           run_hi):
+                           run_hi, alibi_diag, alibi_coef, ALIBI: gl.constexpr):
         """A key-mask call's consumer: a batch row whose real keys are one run (left / right padding, what
         Transformers builds) masks by its two ends (run_lo < run_hi or an empty run); others load the mask per key."""
         if run_lo <= run_hi:
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                       seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
                       CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, None,
-                      km_b, km_plane, 3, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi)
+                      km_b, km_plane, 3, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi, alibi_diag, alibi_coef,
+                      ALIBI)
         else:
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                       seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
                       CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, km_ptr,
-                      km_b, km_plane, 1, diag_lo, cap_scale, WINDOW, SOFTCAP)
+                      km_b, km_plane, 1, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0, alibi_diag, alibi_coef, ALIBI)
 
     @gluon.jit
     def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -560,15 +576,17 @@ if HAS_GLUON:
     @gluon.jit
     def _attn_fwd_kernel(q_desc, k_desc, v_desc, out_ptr, out_desc, lse_ptr, km_ptr, km_b, km_plane, run_ptr, seq_q,
                          seq_k, num_heads, group, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
-                         diag, diag_lo, cap_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                         MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
+                         diag, diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                         TMA_STORE: gl.constexpr, MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False,
+                         SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
         """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
         MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
         of `flash_attention.segment_table` (plane stride km_plane); 0: None. With a key mask, run_ptr [2, B] holds each
         batch row's run of real keys (lo, hi), hi < lo when they are not one run. Row i sees keys up to i + diag with
         CAUSAL (diag = Sk - Sq + the right window edge) and from i + diag_lo on with WINDOW (diag_lo = Sk - Sq - the
-        left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e)."""
+        left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e). ALIBI: scores
+        - slope * |i + alibi_diag - j| (alibi_diag = Sk - Sq), slopes fp32 [B or 1, H] (batch stride slopes_b)."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         TILE_M: gl.constexpr = 2 * ROWS
         pid_m = gl.program_id(0)
@@ -592,6 +610,10 @@ if HAS_GLUON:
         else:
             run_lo = 0
             run_hi = 0
+        if ALIBI:  # the bias in the units of s, which the softmax multiplies by qk_scale and then works in log2
+            alibi_coef = gl.load(slopes_ptr + b * slopes_b + h) * (1.4426950408889634 / qk_scale)
+        else:
+            alibi_coef = 0.0
 
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = _allocate(q_desc, k_desc, v_desc,
                                                                                        STAGES)
@@ -602,11 +624,13 @@ if HAS_GLUON:
                 (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
                                       lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0,
                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
-                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi)),
+                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
+                                      alibi_diag, alibi_coef, ALIBI)),
                 (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
                                       lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1,
                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
-                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi)),
+                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
+                                      alibi_diag, alibi_coef, ALIBI)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                              q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], _REGS)
@@ -615,11 +639,13 @@ if HAS_GLUON:
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
                              b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
                              CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
+                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
+                             alibi_diag, alibi_coef, ALIBI)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
                              b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
                              CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP)),
+                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
+                             alibi_diag, alibi_coef, ALIBI)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                              q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], _REGS)
@@ -710,14 +736,15 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                             softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
                             segments: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-                            softcap: float = 0.0, variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                            variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q.k^T * scale).v -> (out like q, lse fp32 [B, Hq, Sq] in natural log) for q [B, Sq, Hq, D] and
     k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn. `key_mask`
     [B, Sk]: keys whose entry is > 0 are attended (padding); `segments`: packed sequences, the table of
     `flash_attention.segment_table` (Sq == Sk); `window_size` (left, right), -1 unbounded: query i sees keys
     i + Sk - Sq - left .. i + Sk - Sq + right (flash-attn's sliding window); `softcap` > 0: scores softcap *
-    tanh(scores / softcap) (Gemma-2). Rows that see no key give 0 and lse -inf. `variant` replaces
-    `config(D, causal)` (see `variants`)."""
+    tanh(scores / softcap) (Gemma-2); `alibi_slopes` [Hq] or [B, Hq]: scores - slope * |i + Sk - Sq - j| (after the
+    soft-cap). Rows that see no key give 0 and lse -inf. `variant` replaces `config(D, causal)` (see `variants`)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     check_inputs(q, k, v, softmax_scale)
@@ -726,6 +753,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     km, km_b, km_plane, mask_mode = mask_args(key_mask, segments, B, Sq, Sk, q.device)
+    slopes, slopes_b = alibi_args(alibi_slopes, B, Hq, q.device)
     out = torch.empty(B, Sq, Hq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, Hq, Sq, device=q.device, dtype=torch.float32)
     if B == 0 or Sq == 0 or Hq == 0:
@@ -752,14 +780,14 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
     out_desc = _out_descriptor(out, elem) if cfg.tma_store else None
 
-    kernel, meta = kernel_args(D, right >= 0, cfg, mask_mode, left >= 0, softcap > 0)
+    kernel, meta = kernel_args(D, right >= 0, cfg, mask_mode, left >= 0, softcap > 0, slopes is not None)
     n_m_tiles = triton.cdiv(Sq, BLOCK_M)
     if cfg.persistent:
         head_args, tail = (Sq, Sk, Hq, Hq // Hkv, B * Hq), ()
     else:
         runs = _runs_of(key_mask, km, Sk) if mask_mode == 1 else None
         head_args = (km, km_b, km_plane, runs, Sq, Sk, Hq, Hq // Hkv)
-        tail = (diag + max(right, 0), diag - left, cap_scale)
+        tail = (diag + max(right, 0), diag - left, cap_scale, slopes, slopes_b, diag)
     # persistent: one CTA per SM at most (one fits per SM), each loops over work items
     grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
     kernel[grid](q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
@@ -798,6 +826,17 @@ def mask_args(key_mask, segments, batch, seq_q, seq_k, device) -> tuple:
     if key_mask is not None and key_mask.dtype not in (torch.bool, torch.uint8):
         key_mask = key_mask > 0
     return _key_mask_arg(key_mask, segments, batch, seq_q, seq_k, device)
+
+
+def alibi_args(alibi_slopes, batch, heads, device) -> tuple:
+    """(fp32 slopes, batch stride) of ALiBi slopes [H] or [B, H]; (None, 0) for none."""
+    if alibi_slopes is None:
+        return None, 0
+    if tuple(alibi_slopes.shape) not in ((heads, ), (batch, heads)) or alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be [num_heads] or [batch, num_heads] = [{heads}] or [{batch}, {heads}] "
+                         f"on {device}; got {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+    slopes = alibi_slopes.to(torch.float32).contiguous()
+    return slopes, (slopes.stride(0) if slopes.dim() == 2 else 0)
 
 
 def _out_descriptor(out: torch.Tensor, elem) -> "TensorDescriptor":

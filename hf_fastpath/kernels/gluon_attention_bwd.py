@@ -151,6 +151,14 @@ if HAS_GLUON:
         return b, hk, hk * group, n0, m_start, m_end, gl.maximum(m_end - m_start, 0) * group
 
     @gluon.jit
+    def _alibi_coef(slopes_ptr, slopes_b, b, h, qk_scale, ALIBI: gl.constexpr):
+        """Head h's ALiBi slope in the units of S^T (which P^T multiplies by qk_scale in log2); 0 without ALIBI."""
+        if ALIBI:
+            return gl.load(slopes_ptr + b * slopes_b + h) * (1.4426950408889634 / qk_scale)
+        else:
+            return 0.0
+
+    @gluon.jit
     def _next_tile(h, mt, m_start, m_end):
         """(query head, query tile) of the iteration after (h, mt): a head's tiles m_start..m_end-1 in order, then
         the next head of the GQA group (no integer division)."""
@@ -182,18 +190,26 @@ if HAS_GLUON:
     @gluon.jit
     def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, key_base, key_span,
                    m0, seq_q, diag, qk_scale, cap_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
-                   SPANS: gl.constexpr, SOFTCAP: gl.constexpr):
+                   SPANS: gl.constexpr, SOFTCAP: gl.constexpr, alibi_diag=0, alibi_coef=0.0,
+                   ALIBI: gl.constexpr = False):
         """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
         dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired. Visible:
         key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with SPANS (a mask or a window) the queries
         key_base..key_base+key_span-1 of each key instead (`_visible_span`). SOFTCAP: scores softcap * tanh(s *
-        cap_scale) with qk_scale = softcap * log2(e); dS^T gains the factor 1 - tanh^2."""
+        cap_scale) with qk_scale = softcap * log2(e); dS^T gains the factor 1 - tanh^2. ALIBI: scores - alibi_coef *
+        |query + alibi_diag - key| in the units of S^T (after the cap), folded into the accumulator's start."""
         dtype: gl.constexpr = q_tile.dtype
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         KEYS: gl.constexpr = ds_smem.type.shape[0]
         QUERIES: gl.constexpr = ds_smem.type.shape[1]
         st_zero = gl.zeros([KEYS, QUERIES], gl.float32, st_layout)
+        rows = m0 + gl.arange(0, QUERIES, layout=col_layout)
+        if ALIBI:
+            bias = alibi_coef * gl.abs(gl.expand_dims((rows + alibi_diag).to(gl.float32), 0)
+                                       - gl.expand_dims(keys.to(gl.float32), 1))
+        else:
+            bias = 0.0
         if SOFTCAP:  # the cap comes before lse2 is subtracted: no fold
             st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
@@ -202,14 +218,13 @@ if HAS_GLUON:
             # bits, hd128 spilled 520+ bytes (ptxas 3.6). Each thread reads back its own elements: no barrier
             ds_smem.store((1.0 - st * st).to(dtype))
             lse2 = gl.convert_layout(lse2, col_layout)  # from the compact layout, only now: fewer live registers
-            st = st - gl.expand_dims(lse2 * (1.0 / qk_scale), 0)
+            st = st - gl.expand_dims(lse2 * (1.0 / qk_scale), 0) - bias
         else:
             lse2 = gl.convert_layout(lse2, col_layout)
             # the accumulator starts at -lse2 / qk_scale (rows with no visible key: -inf): P^T = exp2(acc * qk_scale)
-            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero - gl.expand_dims(lse2 * (1.0 / qk_scale), 0),
-                               is_async=True)
+            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)),
+                               st_zero - gl.expand_dims(lse2 * (1.0 / qk_scale), 0) - bias, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        rows = m0 + gl.arange(0, QUERIES, layout=col_layout)
         if SPANS:  # one unsigned compare: rows below key_base wrap around to large values
             visible = (gl.expand_dims(rows, 0) - gl.expand_dims(key_base, 1)).to(gl.uint32, bitcast=True) \
                 < gl.expand_dims(key_span, 1).to(gl.uint32, bitcast=True)
@@ -266,9 +281,9 @@ if HAS_GLUON:
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
                   dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0, n0, m_start, m_end,
                   n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag, diag_lo, cap_scale,
-                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                  STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
-                  SOFTCAP: gl.constexpr):
+                  slopes_ptr, slopes_b, alibi_diag, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr,
+                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
         both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
         split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
@@ -303,6 +318,7 @@ if HAS_GLUON:
         mt = m_start
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, n_iters > 0, BLOCK_M,
                                  row_layout)
+        alibi_coef = _alibi_coef(slopes_ptr, slopes_b, b, h, qk_scale, ALIBI)
         mbarrier.wait(kv_ready, 0)
         if KV_REGS:  # S^T and dP^T take K and V from registers: 2 x 16 KB less shared-memory traffic an iteration
             kv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
@@ -317,6 +333,7 @@ if HAS_GLUON:
             h_next, mt_next = _next_tile(h, mt, m_start, m_end)
             lse2_next, delta_next = _row_stats(lse2_ptr, delta_ptr, b, h_next, mt_next * BLOCK_M, seq_q, num_heads,
                                                it + 1 < n_iters, BLOCK_M, row_layout)
+            alibi_next = _alibi_coef(slopes_ptr, slopes_b, b, gl.minimum(h_next, num_heads - 1), qk_scale, ALIBI)
             slot = it % STAGES
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
@@ -325,7 +342,7 @@ if HAS_GLUON:
             ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
             dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, key_base,
                                 key_span, mt * BLOCK_M, seq_q, diag, qk_scale, cap_scale, st_layout, CAUSAL, SPANS,
-                                SOFTCAP)
+                                SOFTCAP, alibi_diag, alibi_coef, ALIBI)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             dslot = it % 2
             # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after this
@@ -342,6 +359,7 @@ if HAS_GLUON:
             mbarrier.arrive(dq_full.index(dslot), count=1)  # (Gluon syncs the warpgroup before an arrive)
             lse2 = lse2_next
             delta = delta_next
+            alibi_coef = alibi_next
             h = h_next
             mt = mt_next
 
@@ -398,12 +416,12 @@ if HAS_GLUON:
                          km_ptr, km_b, km_plane, seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale, diag, diag_lo, cap_scale,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False,
-                         SOFTCAP: gl.constexpr = False):
+                         slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                         STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0,
+                         WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
         dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`). Masks as in the forward (MASK_MODE 1: km_ptr a
-        uint8 key mask, 2: the segment table; 0: None)."""
+        uint8 key mask, 2: the segment table; 0: None); ALiBi as in the forward."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
@@ -438,13 +456,13 @@ if HAS_GLUON:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
-                         diag_lo, cap_scale, 0, HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE, WINDOW,
-                         SOFTCAP)),
+                         diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 0, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
+                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
-                         diag_lo, cap_scale, 1, HEAD_DIM, BLOCK_M, CAUSAL, STAGES, KV_REGS, MASK_MODE, WINDOW,
-                         SOFTCAP)),
+                         diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 1, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
+                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                                ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
                                num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
@@ -453,15 +471,15 @@ if HAS_GLUON:
 
 
 def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0, window: bool = False,
-                softcap: bool = False) -> tuple:
-    """(kernel, its constexprs) of a variant, mask mode (0 none, 1 key mask, 2 packed segments), left window edge and
-    soft-cap;
+                softcap: bool = False, alibi: bool = False) -> tuple:
+    """(kernel, its constexprs) of a variant, mask mode (0 none, 1 key mask, 2 packed segments), left window edge,
+    soft-cap and ALiBi;
     `causal`: keys bounded on the right (causal, or a right window edge). The launcher and tests/gluon_bwd_builds.py
     share it."""
     cfg = launch(variant)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
                                   KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode, WINDOW=bool(window),
-                                  SOFTCAP=bool(softcap))
+                                  SOFTCAP=bool(softcap), ALIBI=bool(alibi))
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -498,13 +516,13 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                              softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
                              segments: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-                             softcap: float = 0.0,
+                             softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                              variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
     [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right;
-    `key_mask` / `segments` / `window_size` / `softcap` as in `gluon_attention_forward`. `variant`: one of
-    `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
+    `key_mask` / `segments` / `window_size` / `softcap` / `alibi_slopes` as in `gluon_attention_forward`.
+    `variant`: one of `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
     _check(dout, q, k, v, out, lse, softmax_scale)
@@ -517,6 +535,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     km, km_b, km_plane, mask_mode = _fwd.mask_args(key_mask, segments, B, Sq, Sk, q.device)
+    slopes, slopes_b = _fwd.alibi_args(alibi_slopes, B, Hq, q.device)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
     dv = torch.empty(v.shape, device=q.device, dtype=q.dtype)
@@ -539,7 +558,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
     left, right = _fwd._window(causal, window_size)
-    kernel, meta = kernel_args(D, right >= 0, variant, mask_mode, left >= 0, softcap > 0)
+    kernel, meta = kernel_args(D, right >= 0, variant, mask_mode, left >= 0, softcap > 0, slopes is not None)
     qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
     qm_block, kn_block = [cfg.block_m[D], D], [BLOCK_N, D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
@@ -554,7 +573,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, km, km_b, km_plane, Sq, Sk, Hq, Hkv,
                  Hq // Hkv,
                  *q_map, *k_map, *v_map, *do_map, qk_scale, softmax_scale, Sk - Sq + max(right, 0), Sk - Sq - left,
-                 cap_scale, **meta,
+                 cap_scale, slopes, slopes_b, Sk - Sq, **meta,
                  num_warps=4, maxnreg=MAXNREG)
     torch.mul(dq_acc, softmax_scale, out=dq)  # one pass: scaled and cast
     return dq, dk, dv

@@ -1,5 +1,6 @@
 """GPU checks of the Gluon Hopper attention forward and backward with a padding mask (`key_mask`), packed sequences
-(`segments`), a sliding window (`window_size`) or a soft-cap (`softcap`), alone and together, against float64 (run
+(`segments`), a sliding window (`window_size`), a soft-cap (`softcap`) or ALiBi (`alibi_slopes`), alone and together,
+against float64 (run
 on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_masks_gpu.py`).
 Skipped without an sm_90 GPU. Forward: out within 1e-2 (relative), lse within 2e-3, rows that see no key exactly 0
 with lse -inf. Backward: each gradient's relative error within 2x our plain-Triton backward's on the same out / lse
@@ -187,6 +188,46 @@ def test_softcap(s, causal, window, softcap, d):
     _check(f"softcap {softcap} window={window} s={s} causal={causal} d={d}", q, k, v, dout, causal, masks)
 
 
+def alibi_slopes(heads, batch=None, seed=0):
+    """ALiBi's slopes 2^(-8 i / heads) (BLOOM, Falcon-RW, MPT); per batch row ([batch, heads]) scaled at random."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
+    if batch is not None:
+        g = torch.Generator().manual_seed(seed)
+        slopes = slopes * torch.rand(batch, 1, generator=g) * 2
+    return slopes.cuda()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per_head", "per_batch"])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (129, 129), (1000, 1000), (2049, 2049), (17, 1000),
+                                    (1000, 129)])
+def test_alibi(sq, sk, per_batch, causal, d):
+    # BLOOM / Falcon-RW / MPT: -slope * |i + Sk - Sq - j| added to the scores, slopes per head (GQA: the backward's
+    # iterations change head within a kv group) or per batch row and head; gentle slopes too (long-range weights)
+    b = 2
+    q, k, v, dout = attention_inputs(b, sq, sk, 8, 2, d, dout=True, seed=sq + 5 * sk)
+    slopes = alibi_slopes(8, b if per_batch else None, seed=sq)
+    _check(f"alibi per_batch={per_batch} sq={sq} sk={sk} causal={causal} d={d}", q, k, v, dout, causal,
+           dict(alibi_slopes=slopes))
+    _check(f"alibi gentle sq={sq} sk={sk} causal={causal} d={d}", q, k, v, dout, causal,
+           dict(alibi_slopes=slopes / 64))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_alibi_with_masks(d):
+    # ALiBi with padding (BLOOM / Falcon-RW batches), packed sequences, a window and a soft-cap
+    q, k, v, dout = attention_inputs(3, 1000, 1000, 8, 2, d, dout=True, seed=13)
+    slopes = alibi_slopes(8) / 8
+    for kind in ("right", "left", "holes", "empty"):
+        _check(f"alibi + key_mask {kind} d={d}", q, k, v, dout, True,
+               dict(alibi_slopes=slopes, key_mask=key_mask(3, 1000, kind, seed=6)))
+    _check(f"alibi + segments d={d}", q, k, v, dout, True,
+           dict(alibi_slopes=slopes, segments=segment_table(segment_ids(3, 1000, "random", seed=7))))
+    _check(f"alibi + window + softcap d={d}", q, k, v, dout, False,
+           dict(alibi_slopes=slopes, window_size=(200, 30), softcap=5.0))
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_window_with_masks(d):
     # a window together with padding or packed sequences (Gemma-2 / Mistral batches), soft-cap too
@@ -202,7 +243,7 @@ def test_window_with_masks(d):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("features", ["causal", "full", "window", "softcap"])
+@pytest.mark.parametrize("features", ["causal", "full", "window", "softcap", "alibi"])
 @pytest.mark.parametrize("lengths", ["mixed", "ones", "one"])
 def test_varlen_one_packing(lengths, features, d):
     # varlen inputs whose queries and keys share one cu_seqlens tensor (packed training), through the backend
@@ -216,7 +257,8 @@ def test_varlen_one_packing(lengths, features, d):
     q, k, v, dout = (t[0] for t in attention_inputs(1, total, total, 8, 2, d, dout=True, seed=len(lens)))
     kw = dict(causal=features != "full", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
               max_seqlen_k=max(lens), window_size=(150, -1) if features == "window" else (-1, -1),
-              softcap=5.0 if features == "softcap" else 0.0)
+              softcap=5.0 if features == "softcap" else 0.0,
+              alibi_slopes=alibi_slopes(8) / 8 if features == "alibi" else None)
     results = {}
     for backend in ("gluon", "triton"):
         x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -249,3 +291,5 @@ def test_rejects_bad_masks_with_a_clear_error():
                                    segments=segment_table(segment_ids(2, 16, "one")))
     with pytest.raises(ValueError, match="softcap must be >= 0"):
         ga.gluon_attention_forward(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be \[num_heads\] or \[batch, num_heads\]"):
+        ga.gluon_attention_forward(q, k, v, alibi_slopes=torch.ones(3, 4, device="cuda"))
