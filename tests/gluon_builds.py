@@ -23,7 +23,7 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
-def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=False, softcap=False, alibi=False):
+def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=False, softcap=False, alibi=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = cfg or ga.config(head_dim, causal)
@@ -89,10 +89,11 @@ def cases():
     yield "fwd hd128 full bf16 window", 128, False, torch.bfloat16, None, 0, True, False
     yield "fwd hd128 causal bf16 window packed", 128, True, torch.bfloat16, None, 2, True, False
     yield "fwd hd128 causal bf16 window keymask softcap", 128, True, torch.bfloat16, None, 1, True, True
-    for head_dim, causal in ((64, True), (128, True), (128, False)):  # Falcon-RW / BLOOM / MPT shapes
+    # ALiBi (Falcon-RW / BLOOM / MPT): one-sided when causal (mode 2, `ga.alibi_mode`), with |i - j| when not (1)
+    for head_dim, causal in ((64, True), (128, True), (128, False)):
         yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 alibi", head_dim, causal, torch.bfloat16, None,
-               0, False, False, True)
-    yield "fwd hd128 causal bf16 alibi keymask", 128, True, torch.bfloat16, None, 1, False, False, True
+               0, False, False, 2 if causal else 1)
+    yield "fwd hd128 causal bf16 alibi keymask", 128, True, torch.bfloat16, None, 1, False, False, 2
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
             for variant, cfg in ga.variants(head_dim, causal).items():

@@ -24,7 +24,7 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
-def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False, alibi=False):
+def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False, alibi=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode, window, softcap, alibi)
@@ -81,11 +81,13 @@ def cases():
                 yield (f"bwd hd{head_dim} causal bf16 {variant} window softcap", head_dim, True, torch.bfloat16,
                        variant, 0, True, True)
                 yield (f"bwd hd{head_dim} full bf16 {variant} alibi", head_dim, False, torch.bfloat16, variant, 0,
-                       False, False, True)
+                       False, False, 1)
                 yield (f"bwd hd{head_dim} causal bf16 {variant} alibi keymask", head_dim, True, torch.bfloat16,
-                       variant, 1, False, False, True)
+                       variant, 1, False, False, 2)
+                yield (f"bwd hd{head_dim} causal bf16 {variant} alibi softcap", head_dim, True, torch.bfloat16,
+                       variant, 0, False, True, 2)
             yield (f"bwd hd{head_dim} causal bf16 {variant} alibi", head_dim, True, torch.bfloat16, variant, 0, False,
-                   False, True)
+                   False, 2)
 
 
 def main():

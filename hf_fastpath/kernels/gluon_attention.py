@@ -123,15 +123,15 @@ def _stages_o_in_q(head_dim: int, cfg: Config) -> bool:
 
 
 def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0, window: bool = False,
-                softcap: bool = False, alibi: bool = False) -> tuple:
+                softcap: bool = False, alibi: int = 0) -> tuple:
     """(kernel, its constexprs) for one configuration, mask mode (0 none, 1 key mask, 2 packed segments), left window
-    edge, soft-cap and ALiBi; `causal`: keys bounded on the right (causal, or a right window edge). The launcher and
-    tests/gluon_builds.py share it."""
+    edge, soft-cap and ALiBi (`alibi_mode`); `causal`: keys bounded on the right (causal, or a right window edge).
+    The launcher and tests/gluon_builds.py share it."""
     meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
                 PINGPONG=cfg.pingpong, TMA_STORE=cfg.tma_store)
     if not cfg.persistent:
         return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode, WINDOW=bool(window), SOFTCAP=bool(softcap),
-                                      ALIBI=bool(alibi))
+                                      ALIBI=int(alibi))
     if mask_mode or window or softcap or alibi:
         raise ValueError("the persistent variant takes no key mask, segments, window, soft-cap or ALiBi")
     meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
@@ -257,19 +257,24 @@ if HAS_GLUON:
     def _online_softmax(s, m_i, l_i, qk_scale, rows, key0, seq_k, diag, diag_lo, cap_scale, key_ok, seg_lo, seg_hi,
                         s_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                         MASK_MODE: gl.constexpr, WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-                        alibi_diag=0, alibi_coef=0.0, ALIBI: gl.constexpr = False):
+                        alibi_diag=0, alibi_coef=0.0, ALIBI: gl.constexpr = 0):
         """Scores of one key tile -> (P unnormalized, the factor for the running output, new max, new sum);
         the max lives in the scaled log2 domain. Masks: key_ok (MASK_MODE 1, per key), each row's segment keys
         seg_lo..seg_hi-1 (MASK_MODE 2), keys before row + diag_lo (WINDOW). SOFTCAP: scores tanh(s * cap_scale),
-        qk_scale then being softcap * log2(e). ALIBI: scores - alibi_coef * |row + alibi_diag - key|, alibi_coef
-        being the head's slope / (qk_scale * ln 2) (the bias in the units of s)."""
+        qk_scale then being softcap * log2(e). ALiBi, alibi_coef being the head's slope / (qk_scale * ln 2) (the bias
+        in the units of s): ALIBI 1, scores - alibi_coef * |row + alibi_diag - key|; 2 (causal, every visible key at
+        or left of row + Sk - Sq), scores + alibi_coef * (key - alibi_diag) with alibi_diag = m0 + Sk - Sq: the bias
+        less its per-row part -alibi_coef * (row - m0), which the softmax does not see and the epilogue puts back
+        into the LSE."""
         if SOFTCAP:
             s = _tanh(s * cap_scale)
         if MASKED or ALIBI:
             keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if ALIBI:  # in float: a subtract and an FMA an element (|x| is an operand modifier)
+        if ALIBI == 1:  # in float: a subtract and an FMA an element (|x| is an operand modifier)
             dist = gl.expand_dims((rows + alibi_diag).to(gl.float32), 1) - gl.expand_dims(keys.to(gl.float32), 0)
             s = s - alibi_coef * gl.abs(dist)
+        if ALIBI == 2:  # one add an element; small near the diagonal, where the weights are (fp32 keeps them exact)
+            s = s + gl.expand_dims((keys - alibi_diag).to(gl.float32) * alibi_coef, 0)
         if MASKED:
             visible = gl.expand_dims(keys < seq_k, 0)
             if CAUSAL:
@@ -304,7 +309,7 @@ if HAS_GLUON:
                 o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                 CAUSAL: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr, MASK_MODE: gl.constexpr,
                 WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, alibi_diag=0, alibi_coef=0.0,
-                ALIBI: gl.constexpr = False):
+                ALIBI: gl.constexpr = 0):
         """Key tile j (ring position c, ping-pong turn t): S_j = Q.K_j^T and O += P_{j-1}.V_{j-1} in flight
         together, softmax of S_j under the P.V (and a key mask's load under both wgmmas)."""
         slot = c % STAGES
@@ -362,7 +367,7 @@ if HAS_GLUON:
                   O_BUFFER: gl.constexpr = False, first=0, u0=1, km_ptr=None, km_b=0, km_plane=0,
                   MASK_MODE: gl.constexpr = 0, diag_lo=0, cap_scale=1.0, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, key_lo=0, key_hi=0, alibi_diag=0, alibi_coef=0.0,
-                  ALIBI: gl.constexpr = False):
+                  ALIBI: gl.constexpr = 0):
         """One warpgroup's 64 rows of one query tile: key tiles first..n_tiles-1, unmasked u0..u1-1 (see
         `_tile_plan`). kv0 / turn0: K/V tiles / ping-pong turns this CTA went
         through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
@@ -384,6 +389,8 @@ if HAS_GLUON:
 
         q = q_smem.index(WARPGROUP)
         rows = m0 + WARPGROUP * ROWS + gl.arange(0, ROWS, layout=row_layout)
+        if ALIBI == 2:  # keys are measured from the tile's first row's diagonal (see `_online_softmax`)
+            alibi_diag = alibi_diag + m0
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -461,6 +468,8 @@ if HAS_GLUON:
         inv_l = 1.0 / gl.where(empty, 1.0, l_i)
         o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        if ALIBI == 2:  # the per-row part of the bias, -slope * (row - m0), left out of the scores
+            lse = lse - (alibi_coef * qk_scale * 0.6931471805599453) * (rows - m0).to(gl.float32)
         row_ok = rows < seq_q
         gl.store(lse_ptr + (b * num_heads + h).to(gl.int64) * seq_q + rows, lse, mask=row_ok)
         if TMA_STORE:
@@ -579,14 +588,15 @@ if HAS_GLUON:
                          diag, diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                          TMA_STORE: gl.constexpr, MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False,
-                         SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+                         SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0):
         """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
         MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
         of `flash_attention.segment_table` (plane stride km_plane); 0: None. With a key mask, run_ptr [2, B] holds each
         batch row's run of real keys (lo, hi), hi < lo when they are not one run. Row i sees keys up to i + diag with
         CAUSAL (diag = Sk - Sq + the right window edge) and from i + diag_lo on with WINDOW (diag_lo = Sk - Sq - the
-        left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e). ALIBI: scores
-        - slope * |i + alibi_diag - j| (alibi_diag = Sk - Sq), slopes fp32 [B or 1, H] (batch stride slopes_b)."""
+        left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e). ALIBI (1, or
+        2 when causal with no right window edge: see `alibi_mode`): scores - slope * |i + alibi_diag - j| (alibi_diag
+        = Sk - Sq), slopes fp32 [B or 1, H] (batch stride slopes_b)."""
         ROWS: gl.constexpr = q_desc.block_type.shape[0]
         TILE_M: gl.constexpr = 2 * ROWS
         pid_m = gl.program_id(0)
@@ -780,7 +790,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
     out_desc = _out_descriptor(out, elem) if cfg.tma_store else None
 
-    kernel, meta = kernel_args(D, right >= 0, cfg, mask_mode, left >= 0, softcap > 0, slopes is not None)
+    kernel, meta = kernel_args(D, right >= 0, cfg, mask_mode, left >= 0, softcap > 0, alibi_mode(slopes, right))
     n_m_tiles = triton.cdiv(Sq, BLOCK_M)
     if cfg.persistent:
         head_args, tail = (Sq, Sk, Hq, Hq // Hkv, B * Hq), ()
@@ -826,6 +836,13 @@ def mask_args(key_mask, segments, batch, seq_q, seq_k, device) -> tuple:
     if key_mask is not None and key_mask.dtype not in (torch.bool, torch.uint8):
         key_mask = key_mask > 0
     return _key_mask_arg(key_mask, segments, batch, seq_q, seq_k, device)
+
+
+def alibi_mode(slopes, window_right: int) -> int:
+    """The kernels' ALIBI: 0 none; 2 when no key right of the diagonal is visible (causal, no right window edge), so
+    that |i + Sk - Sq - j| = i + Sk - Sq - j and the bias splits into a per-key part in the scores and a per-row part
+    that softmax cancels (forward: one add an element, not three; backward: none); else 1."""
+    return 0 if slopes is None else 2 if window_right == 0 else 1
 
 
 def alibi_args(alibi_slopes, batch, heads, device) -> tuple:

@@ -151,9 +151,20 @@ if HAS_GLUON:
         return b, hk, hk * group, n0, m_start, m_end, gl.maximum(m_end - m_start, 0) * group
 
     @gluon.jit
+    def _alibi_bias(rows, keys, m0, alibi_diag, alibi_coef, ALIBI: gl.constexpr):
+        """ALiBi's bias [keys, queries] in the units of S^T: -alibi_coef * |query + alibi_diag - key|; with ALIBI 2
+        (no visible key right of the diagonal) split as -coef * (query - m0) + coef * (key - m0 - alibi_diag)."""
+        if ALIBI == 2:
+            return gl.expand_dims(-alibi_coef * (rows - m0).to(gl.float32), 0) \
+                + gl.expand_dims((keys - (m0 + alibi_diag)).to(gl.float32) * alibi_coef, 1)
+        else:
+            return -alibi_coef * gl.abs(gl.expand_dims((rows + alibi_diag).to(gl.float32), 0)
+                                        - gl.expand_dims(keys.to(gl.float32), 1))
+
+    @gluon.jit
     def _alibi_coef(slopes_ptr, slopes_b, b, h, qk_scale, ALIBI: gl.constexpr):
         """Head h's ALiBi slope in the units of S^T (which P^T multiplies by qk_scale in log2); 0 without ALIBI."""
-        if ALIBI:
+        if ALIBI != 0:
             return gl.load(slopes_ptr + b * slopes_b + h) * (1.4426950408889634 / qk_scale)
         else:
             return 0.0
@@ -191,25 +202,21 @@ if HAS_GLUON:
     def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, key_base, key_span,
                    m0, seq_q, diag, qk_scale, cap_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
                    SPANS: gl.constexpr, SOFTCAP: gl.constexpr, alibi_diag=0, alibi_coef=0.0,
-                   ALIBI: gl.constexpr = False):
+                   ALIBI: gl.constexpr = 0):
         """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
         dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired. Visible:
         key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with SPANS (a mask or a window) the queries
         key_base..key_base+key_span-1 of each key instead (`_visible_span`). SOFTCAP: scores softcap * tanh(s *
-        cap_scale) with qk_scale = softcap * log2(e); dS^T gains the factor 1 - tanh^2. ALIBI: scores - alibi_coef *
-        |query + alibi_diag - key| in the units of S^T (after the cap), folded into the accumulator's start."""
+        cap_scale) with qk_scale = softcap * log2(e); dS^T gains the factor 1 - tanh^2. ALiBi (`_fwd.alibi_mode`):
+        scores - alibi_coef * |query + alibi_diag - key| in the units of S^T (after the cap), in the accumulator's
+        start; with ALIBI 2 (no visible key right of the diagonal) a per-key plus a per-query vector, as -lse2 is
+        (no work an element beyond what the start costs anyway)."""
         dtype: gl.constexpr = q_tile.dtype
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         KEYS: gl.constexpr = ds_smem.type.shape[0]
         QUERIES: gl.constexpr = ds_smem.type.shape[1]
         st_zero = gl.zeros([KEYS, QUERIES], gl.float32, st_layout)
-        rows = m0 + gl.arange(0, QUERIES, layout=col_layout)
-        if ALIBI:
-            bias = alibi_coef * gl.abs(gl.expand_dims((rows + alibi_diag).to(gl.float32), 0)
-                                       - gl.expand_dims(keys.to(gl.float32), 1))
-        else:
-            bias = 0.0
         if SOFTCAP:  # the cap comes before lse2 is subtracted: no fold
             st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
@@ -218,13 +225,25 @@ if HAS_GLUON:
             # bits, hd128 spilled 520+ bytes (ptxas 3.6). Each thread reads back its own elements: no barrier
             ds_smem.store((1.0 - st * st).to(dtype))
             lse2 = gl.convert_layout(lse2, col_layout)  # from the compact layout, only now: fewer live registers
-            st = st - gl.expand_dims(lse2 * (1.0 / qk_scale), 0) - bias
+            st = st - gl.expand_dims(lse2 * (1.0 / qk_scale), 0)
+            if ALIBI != 0:
+                st = st + _alibi_bias(m0 + gl.arange(0, QUERIES, layout=col_layout), keys, m0, alibi_diag, alibi_coef,
+                                      ALIBI)
         else:
             lse2 = gl.convert_layout(lse2, col_layout)
             # the accumulator starts at -lse2 / qk_scale (rows with no visible key: -inf): P^T = exp2(acc * qk_scale)
-            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)),
-                               st_zero - gl.expand_dims(lse2 * (1.0 / qk_scale), 0) - bias, is_async=True)
+            if ALIBI == 2:  # per query and per key: one add an element, as the plain start costs
+                queries = gl.arange(0, QUERIES, layout=col_layout)  # query - m0
+                start = gl.expand_dims(lse2 * (-1.0 / qk_scale) - alibi_coef * queries.to(gl.float32), 0) \
+                    + gl.expand_dims((keys - (m0 + alibi_diag)).to(gl.float32) * alibi_coef, 1)
+            else:
+                start = st_zero - gl.expand_dims(lse2 * (1.0 / qk_scale), 0)
+                if ALIBI == 1:
+                    start = start + _alibi_bias(m0 + gl.arange(0, QUERIES, layout=col_layout), keys, m0, alibi_diag,
+                                                alibi_coef, ALIBI)
+            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), start, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        rows = m0 + gl.arange(0, QUERIES, layout=col_layout)
         if SPANS:  # one unsigned compare: rows below key_base wrap around to large values
             visible = (gl.expand_dims(rows, 0) - gl.expand_dims(key_base, 1)).to(gl.uint32, bitcast=True) \
                 < gl.expand_dims(key_span, 1).to(gl.uint32, bitcast=True)
@@ -418,7 +437,7 @@ if HAS_GLUON:
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale, diag, diag_lo, cap_scale,
                          slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                          STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0,
-                         WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+                         WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
         dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`). Masks as in the forward (MASK_MODE 1: km_ptr a
         uint8 key mask, 2: the segment table; 0: None); ALiBi as in the forward."""
@@ -471,15 +490,15 @@ if HAS_GLUON:
 
 
 def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0, window: bool = False,
-                softcap: bool = False, alibi: bool = False) -> tuple:
+                softcap: bool = False, alibi: int = 0) -> tuple:
     """(kernel, its constexprs) of a variant, mask mode (0 none, 1 key mask, 2 packed segments), left window edge,
-    soft-cap and ALiBi;
+    soft-cap and ALiBi (`_fwd.alibi_mode`);
     `causal`: keys bounded on the right (causal, or a right window edge). The launcher and tests/gluon_bwd_builds.py
     share it."""
     cfg = launch(variant)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
                                   KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode, WINDOW=bool(window),
-                                  SOFTCAP=bool(softcap), ALIBI=bool(alibi))
+                                  SOFTCAP=bool(softcap), ALIBI=int(alibi))
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -558,7 +577,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     k2, k_map = _fwd._row_view(k)
     v2, v_map = _fwd._row_view(v)
     left, right = _fwd._window(causal, window_size)
-    kernel, meta = kernel_args(D, right >= 0, variant, mask_mode, left >= 0, softcap > 0, slopes is not None)
+    kernel, meta = kernel_args(D, right >= 0, variant, mask_mode, left >= 0, softcap > 0,
+                               _fwd.alibi_mode(slopes, right))
     qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
     qm_block, kn_block = [cfg.block_m[D], D], [BLOCK_N, D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
