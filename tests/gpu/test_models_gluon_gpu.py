@@ -1,5 +1,6 @@
 """Models with head dim 128 on `attn_implementation="fastpath"` with the Gluon kernels: Llama-shaped for padded and
-packed batches, Mistral-shaped (a sliding window) and Gemma-2-27B-shaped (sliding-window layers, soft-capped scores),
+packed batches, Mistral-shaped (a sliding window), Gemma-2-27B-shaped (sliding-window layers, soft-capped scores) and
+Falcon with ALiBi (Falcon-RW, BLOOM's scheme),
 against Transformers' eager attention in float32: logits of the real tokens and every parameter's gradient within 2x
 the error of Transformers' "sdpa" in bfloat16 (eager in bfloat16 for Gemma-2: "sdpa" ignores the soft-cap) plus a
 small floor (run on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_models_gluon_gpu.py`). Skipped without an
@@ -23,15 +24,18 @@ SHAPE = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head
              num_hidden_layers=2, vocab_size=1000)
 CONFIGS = {"llama": ("LlamaConfig", {}), "mistral": ("MistralConfig", dict(sliding_window=64)),
            # a small cap, so that it bends random models' scores (the real one is 50)
-           "gemma2": ("Gemma2Config", dict(sliding_window=64, attn_logit_softcapping=5.0, query_pre_attn_scalar=128))}
-PEER = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager"}
+           "gemma2": ("Gemma2Config", dict(sliding_window=64, attn_logit_softcapping=5.0, query_pre_attn_scalar=128)),
+           # head dim 512 / 4 = 128 (Falcon derives it; None drops SHAPE's)
+           "falcon_alibi": ("FalconConfig", dict(alibi=True, multi_query=False, new_decoder_architecture=False,
+                                                 parallel_attn=False, bias=True, head_dim=None))}
+PEER = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "falcon_alibi": "sdpa"}
 
 
 def _model(impl, dtype, family):
     import transformers
 
     name, extra = CONFIGS[family]
-    cfg = getattr(transformers, name)(**SHAPE, **extra)
+    cfg = getattr(transformers, name)(**{k: v for k, v in {**SHAPE, **extra}.items() if v is not None})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=impl)
     return model.to("cuda", dtype).train()  # the same weights in every dtype
@@ -46,7 +50,8 @@ def _run(impl, inputs, family, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("family, batch", [("llama", "padded"), ("llama", "packed"), ("mistral", "plain"),
                                            ("mistral", "padded"), ("gemma2", "plain"), ("gemma2", "packed"),
-                                           ("llama", "collated"), ("gemma2", "collated")])
+                                           ("llama", "collated"), ("gemma2", "collated"), ("falcon_alibi", "plain"),
+                                           ("falcon_alibi", "padded")])
 def test_fastpath_matches_eager(monkeypatch, family, batch):
     chosen = []
     select = backends.select_backend
@@ -78,7 +83,7 @@ def test_fastpath_matches_eager(monkeypatch, family, batch):
         ours.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=130, max_length_k=130)
     logits, grads = _run("fastpath", ours, family)
     names = {b.name for b in chosen}
-    if family == "llama" or batch != "plain":
+    if family in ("llama", "falcon_alibi") or batch != "plain":
         assert names == {"gluon"}, names  # H200's table: Gluon beats Triton at hd128 (SDPA takes no masks)
     else:  # plain full-attention layers of 300 tokens run cuDNN through SDPA; the windowed / capped ones Gluon
         assert "gluon" in names, names
