@@ -15,9 +15,10 @@ key, checked in every tile that has a masked key; packed sequences (`segments`, 
 the segments of a tile's rows are loaded, each row masked to its segment (`_tile_plan`). A sliding window (WINDOW,
 flash-attn's (left, right)): the tiles left of the tile's window are never loaded and only the edge tiles are masked;
 the right edge is the causal one moved (CAUSAL with diag = Sk - Sq + right). Soft-cap (SOFTCAP, Gemma-2): scores
-softcap * tanh(s / softcap), tanh from exp2 (exact, one more MUFU op an element than tanh.approx). Head dims 64, 128,
-256 (hd256: 64-key tiles, 2 stages; the backward has no hd256, training there runs the Triton backward). Rows with no
-visible key give 0 and lse -inf.
+softcap * tanh(s / softcap), tanh from exp2 (exact, one more MUFU op an element than tanh.approx). ALiBi (ALIBI,
+BLOOM / Falcon-RW / MPT): scores - slope * |i + Sk - Sq - j|, one add an element when causal (`alibi_mode`). Head
+dims 64, 128, 256 (hd256: 64-key tiles, 2 stages; the backward has no hd256, training there runs the Triton
+backward). Rows with no visible key give 0 and lse -inf.
 Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
 are stored. Tensors in, tensors out.
 
@@ -270,7 +271,7 @@ if HAS_GLUON:
             s = _tanh(s * cap_scale)
         if MASKED or ALIBI:
             keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if ALIBI == 1:  # in float: a subtract and an FMA an element (|x| is an operand modifier)
+        if ALIBI == 1:  # in float: a subtract, an abs and an FMA an element
             dist = gl.expand_dims((rows + alibi_diag).to(gl.float32), 1) - gl.expand_dims(keys.to(gl.float32), 0)
             s = s - alibi_coef * gl.abs(dist)
         if ALIBI == 2:  # one add an element; small near the diagonal, where the weights are (fp32 keeps them exact)
