@@ -61,3 +61,19 @@ def test_key_runs_are_computed_once_per_mask():
     del mask
     gc.collect()
     assert len(ga._RUNS) == 0
+
+
+def test_alibi_arguments_and_mode():
+    # slopes [H] (batch stride 0) or [B, H] as fp32; anything else is a clear error; causal calls with no right
+    # window edge take the one-sided mode (2), others the |i - j| one (1)
+    import pytest
+    import torch
+
+    slopes, stride = ga.alibi_args(torch.tensor([0.5, 0.25], dtype=torch.bfloat16), 3, 2, torch.device("cpu"))
+    assert slopes.dtype == torch.float32 and slopes.tolist() == [0.5, 0.25] and stride == 0
+    assert ga.alibi_args(torch.ones(3, 2), 3, 2, torch.device("cpu"))[1] == 2
+    assert ga.alibi_args(None, 3, 2, torch.device("cpu")) == (None, 0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be \[num_heads\] or \[batch, num_heads\] = \[2\]"):
+        ga.alibi_args(torch.ones(4), 3, 2, torch.device("cpu"))
+    assert [ga.alibi_mode(None, 0), ga.alibi_mode(slopes, 0), ga.alibi_mode(slopes, -1),
+            ga.alibi_mode(slopes, 5)] == [0, 2, 1, 1]
