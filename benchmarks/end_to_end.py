@@ -7,7 +7,9 @@ workflows a user runs, both in one process on the same weights.
 
 Model (`--model`): Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP 14336, vocab 128256; the default)
 or Gemma-2-9B-shaped (head dim 256, soft caps, sliding window; results to `end_to_end_gemma2-9b.json`), or
-Mistral-7B-shaped (Llama-3-8B's attention with a 4096-token sliding window; `end_to_end_mistral-7b.json`), `--layers`
+Mistral-7B-shaped (Llama-3-8B's attention with a 4096-token sliding window; `end_to_end_mistral-7b.json`), or
+Falcon-RW-7B-shaped (ALiBi, 64 heads of 64: Transformers' "sdpa" adds a [B, H, S, S] float bias, fastpath passes the
+slopes to its kernels; `end_to_end_falcon-rw-7b.json`), `--layers`
 decoder layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
 Rows (each: sdpa, fastpath, fastpath / sdpa; higher is better everywhere):
 - train: forward + backward (all parameters, loss on every token), tokens/s, 1 x 8192 tokens, and the same tokens
@@ -43,9 +45,13 @@ GEMMA2_9B = dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=
 # head dim 128, GQA 32/8, every layer a 4096-token sliding window (Mistral-7B-v0.1)
 MISTRAL_7B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   vocab_size=32000, sliding_window=4096, rope_theta=10000.0, max_position_embeddings=40960)
+# ALiBi (no rotary), 64 heads of 64, sequential attention and MLP (Falcon-RW-7B: tiiuae/falcon-rw-7b)
+FALCON_RW_7B = dict(hidden_size=4096, num_attention_heads=64, alibi=True, multi_query=False,
+                    new_decoder_architecture=False, parallel_attn=False, bias=True, vocab_size=65024)
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
           "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights"),
-          "mistral-7b": ("mistral", MISTRAL_7B, "Mistral-7B shape (sliding window 4096), random weights")}
+          "mistral-7b": ("mistral", MISTRAL_7B, "Mistral-7B shape (sliding window 4096), random weights"),
+          "falcon-rw-7b": ("falcon", FALCON_RW_7B, "Falcon-RW-7B shape (ALiBi, head dim 64), random weights")}
 IMPLS = ("sdpa", "fastpath")
 # --control: "sdpa" against itself under the name "fastpath", to show how far apart the harness puts two runs of
 # the very same kernels (the noise any ratio here carries)
