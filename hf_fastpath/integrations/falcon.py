@@ -85,9 +85,7 @@ def _falcon_class():
                 q, k = mf.apply_rotary_pos_emb(q, k, cos, sin)
             if layer_past is not None:
                 k, v = layer_past.update(k, v, self.layer_idx)
-            slopes = None
-            if alibi is not None:
-                slopes = falcon_alibi_slopes(self.num_heads, q.device) * self.inv_norm_factor
+            slopes = alibi_slopes_of(self, q.device) if alibi is not None else None
             # Eager Falcon applies attention dropout only with ALiBi; mirror it.
             dropout = self.attention_dropout.p if (self.training and alibi is not None) else 0.0
             out, _ = _attention_function(self.config)(
@@ -168,13 +166,13 @@ _CLASS_BUILDERS = {
 }
 
 
-def alibi_slopes_of(module) -> torch.Tensor | None:
-    """The ALiBi slopes (scaled as `falcon_alibi_slopes` says) of an attention module of an interface-calling ALiBi
-    Falcon, else None; computed once per module and device."""
+def alibi_slopes_of(module, device) -> torch.Tensor | None:
+    """The ALiBi slopes (scaled as `falcon_alibi_slopes` says) of an ALiBi Falcon attention module on `device`, else
+    None; computed once per module and device: made on the CPU, copying them to the GPU on every call would wait for
+    the GPU each time (a pageable host-to-device copy syncs its stream first: 0.65x sdpa on a 1k-token prefill)."""
     config = getattr(module, "config", None)
     if not getattr(config, "alibi", False) or getattr(config, "model_type", None) != "falcon":
         return None
-    device = module.query_key_value.weight.device
     cached = module.__dict__.get("_fastpath_alibi_slopes")
     if cached is None or cached.device != device:
         cached = falcon_alibi_slopes(module.num_heads, device) * module.inv_norm_factor

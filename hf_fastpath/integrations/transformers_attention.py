@@ -360,7 +360,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         window = (sliding_window - 1, -1 if is_causal else sliding_window - 1)
     slopes = kwargs.get("alibi_slopes")
     kw = dict(causal=bool(is_causal), softmax_scale=scale, window_size=window, softcap=kwargs.get("softcap") or 0.0,
-              alibi_slopes=alibi_slopes_of(module) if slopes is None else slopes)
+              alibi_slopes=alibi_slopes_of(module, query.device) if slopes is None else slopes)
     dropout = float(dropout or 0.0) if module.training else 0.0
     masks = _plan(name, attention_mask, q, k, kwargs, torch.is_grad_enabled() and query.requires_grad)
     if auto_dispatch and not masks and not dropout and window == (-1, -1) and not kw["softcap"] and \
