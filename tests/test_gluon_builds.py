@@ -20,7 +20,8 @@ def test_gluon_attention_builds_for_sm90():
     # the key-mask kernels' per-key path (rows whose real keys are not one run) spills 140-1448 bytes under 3.6,
     # 20-1412 under 3.9; their one-run path's tile loops none (docs/attention.md session 18). A regression is KBs.
     # The shared-memory estimate decides whether O gets a buffer of its own: it must not undercount.
-    assert_sm90_builds_sound(builds, {"keymask": 1536})
+    # ALiBi's causal hd128 forward: none under 3.6, 96 bytes under 3.9 (session 21)
+    assert_sm90_builds_sound(builds, {"keymask": 1536, "alibi": 128})
     names = {b["name"] for b in builds}
     assert {"fwd hd64 full bf16", "fwd hd128 causal bf16", "fwd hd128 causal fp16"} <= names
     assert {f"fwd hd{d} {kind} bf16 {mask}" for mask in ("keymask", "packed")
@@ -28,6 +29,8 @@ def test_gluon_attention_builds_for_sm90():
     assert {f"fwd hd{d} causal bf16 {what}" for d in ga.HEAD_DIMS for what in ("window", "softcap")} <= names
     assert {"fwd hd128 causal bf16 window softcap", "fwd hd128 causal bf16 window packed"} <= names
     assert {f"fwd hd256 {kind} bf16" for kind in ("full", "causal")} | {"fwd hd256 causal bf16 window softcap"} <= names
+    assert {"fwd hd64 causal bf16 alibi", "fwd hd128 causal bf16 alibi", "fwd hd128 full bf16 alibi",
+            "fwd hd128 causal bf16 alibi keymask"} <= names
     for head_dim in ga.HEAD_DIMS:  # every opt-in variant builds too
         for causal in (False, True):
             kind = "causal" if causal else "full"
