@@ -58,9 +58,9 @@ def test_offline_shared_estimate_and_blocks():
             assert set(cfg.block_m) == set(cfg.stages) == set(gb.HEAD_DIMS)
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
     assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False,
-                                                         MASK_MODE=0, WINDOW=False, SOFTCAP=False)
-    meta = gb.kernel_args(128, True, "split", 1, True, True)[1]
-    assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"]) == (1, True, True)
+                                                         MASK_MODE=0, WINDOW=False, SOFTCAP=False, ALIBI=0)
+    meta = gb.kernel_args(128, True, "split", 1, True, True, 2)[1]
+    assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"], meta["ALIBI"]) == (1, True, True, 2)
     assert gb.kernel_args(128, True, "split", 2)[1]["MASK_MODE"] == 2
     assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
     with pytest.raises(ValueError, match="variant must be one of"):
