@@ -49,7 +49,7 @@ import triton
 
 from .common import derived_once, nvmma_layout
 from .device import compute_major, on_input_device
-from .flash_attention import _key_mask_arg, _window
+from .flash_attention import _key_mask_arg, _slopes, _window
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon
@@ -853,8 +853,7 @@ def alibi_args(alibi_slopes, batch, heads, device) -> tuple:
     if tuple(alibi_slopes.shape) not in ((heads, ), (batch, heads)) or alibi_slopes.device != device:
         raise ValueError(f"alibi_slopes must be [num_heads] or [batch, num_heads] = [{heads}] or [{batch}, {heads}] "
                          f"on {device}; got {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
-    slopes = alibi_slopes.to(torch.float32).contiguous()
-    return slopes, (slopes.stride(0) if slopes.dim() == 2 else 0)
+    return _slopes(alibi_slopes)  # as the Triton kernels take them
 
 
 def _out_descriptor(out: torch.Tensor, elem) -> "TensorDescriptor":
