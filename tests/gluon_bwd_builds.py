@@ -24,10 +24,10 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
-def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False, alibi=0):
+def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False, alibi=0, deterministic=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode, window, softcap, alibi)
+    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode, window, softcap, alibi, deterministic)
     cfg = gb.launch(variant)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
@@ -47,6 +47,11 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
                 sig[p.name], constexprs = "constexpr", dict(constexprs, km_ptr=None)
         elif p.name == "slopes_ptr" and not alibi:  # None without ALiBi
             sig[p.name], constexprs = "constexpr", dict(constexprs, slopes_ptr=None)
+        elif p.name == "dq_turns":  # the turn counters, None unless deterministic
+            if deterministic:
+                sig[p.name] = "*i32"
+            else:
+                sig[p.name], constexprs = "constexpr", dict(constexprs, dq_turns=None)
         elif p.name.endswith("_ptr"):  # lse2, delta, the fp32 dQ buffer, ALiBi's slopes
             sig[p.name] = "*fp32"
         else:
@@ -60,8 +65,9 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
 def cases():
     """(name, head dim, causal, dtype, variant, mask mode, window, softcap[, alibi]): every head dim, causality and
     variant in bf16, causal fp16, the key-mask and packed kernels causal at both head dims and full at hd128, the
-    sliding-window and soft-cap kernels (causal at both head dims; with packed segments or soft-cap at hd128), and
-    ALiBi (causal at both head dims, full and with a key mask at hd128)."""
+    sliding-window and soft-cap kernels (causal at both head dims; with packed segments or soft-cap at hd128),
+    ALiBi (causal at both head dims, full and with a key mask at hd128) and the deterministic dQ (causal and full at
+    both head dims, with a window and packed segments at hd128)."""
     for head_dim in gb.HEAD_DIMS:
         for variant in gb.VARIANTS:
             for causal in (False, True):
@@ -88,6 +94,12 @@ def cases():
                        variant, 0, False, True, 2)
             yield (f"bwd hd{head_dim} causal bf16 {variant} alibi", head_dim, True, torch.bfloat16, variant, 0, False,
                    False, 2)
+            for causal in (True, False):
+                yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant} deterministic", head_dim,
+                       causal, torch.bfloat16, variant, 0, False, False, 0, True)
+            if head_dim == 128:  # every input of the turn order: a window's left edge and the segment table
+                yield (f"bwd hd{head_dim} causal bf16 {variant} window packed deterministic", head_dim, True,
+                       torch.bfloat16, variant, 2, True, False, 0, True)
 
 
 def main():

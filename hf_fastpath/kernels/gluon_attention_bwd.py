@@ -33,7 +33,8 @@ with a soft-cap. No ALiBi, varlen or hd256 (dK + dV alone would take 256 registe
   may read contribute nothing. With a key mask or packed segments each key's visible queries are one interval
   (`_visible_span`: one unsigned compare per element, two registers a key), and packed CTAs visit only the query
   tiles of their keys' segments. dK / dV are written once per CTA.
-Not deterministic (dQ's atomics), as FA3's default. dQ offsets are 32-bit per (batch, head): Sq * Hq * D < 2**31.
+dQ is added in arrival order by default (bits differ run to run, as FA3's default); `deterministic=True` orders the
+adds per query tile (`_dq_turn`). dQ offsets are 32-bit per (batch, head): Sq * Hq * D < 2**31.
 Offline builds (tests/gluon_bwd_builds.py): no spills under Triton 3.6 (3.9's ptxas: 12 bytes of loop scalars at
 hd128), wgmmas not serialized. Where the time goes (ncu) and what was tried: docs/attention.md.
 """
@@ -105,6 +106,7 @@ def shared_bytes(head_dim: int, variant: str) -> int:
 
 if HAS_GLUON:
     _WS_REGS = gl.constexpr(list(WS_REGS))
+    _TURN_POLLS = gl.constexpr(1 << 24)  # ~10 s of polling: far past any wait of a correct order
 
     @gluon.jit
     def _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, slot, b, h, m0, q_row_b, q_row_h, q_col_h,
@@ -126,16 +128,21 @@ if HAS_GLUON:
 
     @gluon.jit
     def _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane, diag, diag_lo, BLOCK_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr):
+                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
+                   LAST_FIRST: gl.constexpr = False):
         """This CTA's work: keys n0.. of (batch b, kv-head hk), the query heads h0.. of its GQA group, and per head
         the query tiles m_start..m_end-1 that see those keys -> (b, hk, h0, n0, m_start, m_end, iterations).
         Query i sees keys up to i + diag (CAUSAL) and from i + diag_lo (WINDOW) on. Packed segments (MASK_MODE 2,
         Sq == Sk): only the queries of the keys' segments, from the segment start of the first key to the segment
-        end of the last (a segment's tokens are contiguous)."""
+        end of the last (a segment's tokens are contiguous). LAST_FIRST: the last key block gets the first program
+        id, so it is launched first."""
         bh = gl.program_id(1)
         b = bh // num_kv_heads
         hk = bh % num_kv_heads
-        n0 = gl.program_id(0) * BLOCK_N
+        if LAST_FIRST:
+            n0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_N
+        else:
+            n0 = gl.program_id(0) * BLOCK_N
         if CAUSAL:  # the first query that sees key n0 is n0 - diag (bottom-right aligned)
             m_start = gl.maximum(n0 - diag, 0) // BLOCK_M
         else:
@@ -175,6 +182,51 @@ if HAS_GLUON:
         the next head of the GQA group (no integer division)."""
         last = (mt + 1 == m_end).to(gl.int32)
         return h + last, (mt + 1) * (1 - last) + m_start * last
+
+    @gluon.jit
+    def _dq_turn(n, mt, b, seq_q, seq_k, km_ptr, km_b, km_plane, diag, diag_lo, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr):
+        """Key block n's turn to add its dQ tile into query tile mt (DETERMINISTIC). `_key_block`'s m_start and
+        m_end never decrease with n, so the key blocks that visit tile mt are one interval lo..hi: causal turns run
+        from hi down (block hi meets tile mt first, so a CTA rarely waits; `_key_block` launches the last blocks
+        first), others from lo up. A block only ever waits for blocks launched before it: no deadlock."""
+        r0 = mt * BLOCK_M
+        lo = 0
+        hi = gl.cdiv(seq_k, BLOCK_N) - 1
+        if CAUSAL:  # m_start(n) <= mt: n * BLOCK_N < r0 + BLOCK_M + diag
+            hi = gl.minimum(hi, gl.cdiv(gl.maximum(r0 + BLOCK_M + diag, 0), BLOCK_N) - 1)
+        if WINDOW:  # m_end(n) > mt: n * BLOCK_N + BLOCK_N > r0 + diag_lo
+            lo = gl.maximum(lo, gl.maximum(r0 + diag_lo, 0) // BLOCK_N)
+        if MASK_MODE == 2:  # the blocks that hold a key of a segment of rows r0..: its first key's segment start ..
+            seg = km_ptr + b * km_b
+            lo = gl.maximum(lo, gl.load(seg + km_plane + r0) // BLOCK_N)
+            # .. up to the segment end of the tile's last row (later keys' segments start past the tile)
+            hi = gl.minimum(hi, (gl.load(seg + 2 * km_plane + gl.minimum(r0 + BLOCK_M, seq_q) - 1) - 1) // BLOCK_N)
+        if CAUSAL:
+            return hi - n
+        else:
+            return n - lo
+
+    @gluon.jit
+    def _wait_turn(turn_ptr, turn):
+        """Spins until the counter at turn_ptr reaches `turn` (every thread polls; a relaxed read then a fence is an
+        acquire). Bounded (~seconds) so that a turn that never comes, a bug, costs time instead of a hang."""
+        polls = 0
+        while (gl.load(turn_ptr, volatile=True) != turn) & (polls < _TURN_POLLS):
+            polls += 1
+        lanes = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _pass_turn(turn_ptr, also_ptr=None):
+        """Hands the turn on (of `also_ptr` too, if given): once every thread's dQ adds are issued (the barrier), one
+        thread's release increment (cumulative: it publishes what the barrier ordered before it)."""
+        _barrier()
+        lanes = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        gl.atomic_add(turn_ptr + lanes * 0, gl.full_like(lanes, 1), mask=lanes == 0, sem="release", scope="gpu")
+        if also_ptr is not None:
+            gl.atomic_add(also_ptr + lanes * 0, gl.full_like(lanes, 1), mask=lanes == 0, sem="release", scope="gpu")
 
     @gluon.jit
     def _visible_span(km_keys, km_plane, keys, seq_q, seq_k, diag, diag_lo, CAUSAL: gl.constexpr,
@@ -386,12 +438,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready, ready,
-                        empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q, num_heads,
+                        empty, dq_full, dq_empty, dq_ptr, dq_turns, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
+                        seq_k, num_heads, km_ptr, km_b, km_plane, diag, diag_lo,
                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                         do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
+                        DETERMINISTIC: gl.constexpr):
         """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and the
-        dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer."""
+        dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer. DETERMINISTIC: the key
+        blocks add into each (batch, head, query tile) in a fixed order (`_dq_turn`), one counter per tile in
+        dq_turns, so the fp32 sums are bitwise repeatable."""
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
         _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
@@ -409,6 +466,7 @@ if HAS_GLUON:
         # dQ: one vector load and one vector atomic) a thread
         RED_COLS: gl.constexpr = 16
         red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [queries, head dim]
+        prev_turn = dq_turns  # (DETERMINISTIC, CAUSAL) the previous tile's counter, handed on with the next
         for it in range(0, n_iters):
             nxt = it + STAGES - 1
             if nxt < n_iters:
@@ -423,30 +481,47 @@ if HAS_GLUON:
             q_off = gl.expand_dims(queries * (num_heads * HEAD_DIM), 1)  # int32, from (batch, head)'s base
             q_mask = gl.expand_dims(queries < seq_q, 1)
             base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
+            if DETERMINISTIC:
+                turn_ptr = dq_turns + (b * num_heads + h) * gl.cdiv(seq_q, BLOCK_M) + mt
+                _wait_turn(turn_ptr, _dq_turn(n0 // BLOCK_N, mt, b, seq_q, seq_k, km_ptr, km_b, km_plane, diag,
+                                              diag_lo, BLOCK_M, BLOCK_N, CAUSAL, MASK_MODE, WINDOW))
             for r in gl.static_range(HEAD_DIM // RED_COLS):
                 dq = dq_smem.index(slot).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
                 d = r * RED_COLS + gl.arange(0, RED_COLS, layout=gl.SliceLayout(0, red_layout))
                 gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=q_mask, sem="relaxed")
+            if DETERMINISTIC:
+                if CAUSAL:  # the turns of two tiles at once: one wait for the atomics to land per two tiles. The
+                    # next block in a tile's order is two tiles ahead of this one (2 x 64 queries a 128-key block)
+                    if it % 2 == 1:
+                        _pass_turn(prev_turn, turn_ptr)
+                    prev_turn = turn_ptr
+                else:  # the blocks run in step: a late handoff would add up along the order
+                    _pass_turn(turn_ptr)
             mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
             h, mt = _next_tile(h, mt, m_start, m_end)
+        if DETERMINISTIC and CAUSAL:
+            if n_iters % 2 == 1:
+                _pass_turn(prev_turn)
 
     @gluon.jit
-    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+    def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dq_turns, dk_ptr, dv_ptr,
                          km_ptr, km_b, km_plane, seq_q, seq_k, num_heads, num_kv_heads, group,
                          q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                          do_row_b, do_row_h, do_col_h, qk_scale, sm_scale, diag, diag_lo, cap_scale,
                          slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                          STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0,
-                         WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0):
+                         WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
+                         DETERMINISTIC: gl.constexpr = False):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
         dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`). Masks as in the forward (MASK_MODE 1: km_ptr a
-        uint8 key mask, 2: the segment table; 0: None); ALiBi as in the forward."""
+        uint8 key mask, 2: the segment table; 0: None); ALiBi as in the forward. DETERMINISTIC: dq_turns, zeroed
+        int32 [B, Hq, query tiles], orders the dQ adds (`_loader_reducer`); else unused (None)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
         b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane,
                                                             diag, diag_lo, BLOCK_N, BLOCK_M, CAUSAL, MASK_MODE,
-                                                            WINDOW)
+                                                            WINDOW, DETERMINISTIC and CAUSAL)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -483,22 +558,24 @@ if HAS_GLUON:
                          diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 1, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
                          KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
-                               ready, empty, dq_full, dq_empty, dq_ptr, b, hk, h0, n0, m_start, m_end, n_iters, seq_q,
-                               num_heads, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h,
-                               v_col_h, do_row_b, do_row_h, do_col_h, HEAD_DIM, BLOCK_M, STAGES)),
+                               ready, empty, dq_full, dq_empty, dq_ptr, dq_turns, b, hk, h0, n0, m_start, m_end,
+                               n_iters, seq_q, seq_k, num_heads, km_ptr, km_b, km_plane, diag, diag_lo, q_row_b,
+                               q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h, do_row_b,
+                               do_row_h, do_col_h, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASK_MODE, WINDOW,
+                               DETERMINISTIC)),
         ], [4, 4], _WS_REGS)
 
 
 def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0, window: bool = False,
-                softcap: bool = False, alibi: int = 0) -> tuple:
+                softcap: bool = False, alibi: int = 0, deterministic: bool = False) -> tuple:
     """(kernel, its constexprs) of a variant, mask mode (0 none, 1 key mask, 2 packed segments), left window edge,
-    soft-cap and ALiBi (`_fwd.alibi_mode`);
+    soft-cap, ALiBi (`_fwd.alibi_mode`) and the ordered dQ adds;
     `causal`: keys bounded on the right (causal, or a right window edge). The launcher and tests/gluon_bwd_builds.py
     share it."""
     cfg = launch(variant)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
                                   KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode, WINDOW=bool(window),
-                                  SOFTCAP=bool(softcap), ALIBI=int(alibi))
+                                  SOFTCAP=bool(softcap), ALIBI=int(alibi), DETERMINISTIC=bool(deterministic))
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -536,11 +613,13 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
                              segments: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                              softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                             deterministic: bool = False,
                              variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
     [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right;
     `key_mask` / `segments` / `window_size` / `softcap` / `alibi_slopes` as in `gluon_attention_forward`.
+    `deterministic`: dQ bitwise repeatable (the key blocks add in a fixed order; else in arrival order).
     `variant`: one of `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
@@ -578,7 +657,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     v2, v_map = _fwd._row_view(v)
     left, right = _fwd._window(causal, window_size)
     kernel, meta = kernel_args(D, right >= 0, variant, mask_mode, left >= 0, softcap > 0,
-                               _fwd.alibi_mode(slopes, right))
+                               _fwd.alibi_mode(slopes, right), deterministic)
     qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
     qm_block, kn_block = [cfg.block_m[D], D], [BLOCK_N, D]
     qm_layout = nvmma_layout(tuple(qm_block), elem)
@@ -589,9 +668,12 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kn_block, kn_layout)
 
     dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
+    # one turn counter per (batch, head, query tile)
+    dq_turns = torch.zeros(B, Hq, triton.cdiv(Sq, cfg.block_m[D]), device=q.device, dtype=torch.int32) \
+        if deterministic else None
     grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
-    kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, km, km_b, km_plane, Sq, Sk, Hq, Hkv,
-                 Hq // Hkv,
+    kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dq_turns, dk, dv, km, km_b, km_plane, Sq, Sk,
+                 Hq, Hkv, Hq // Hkv,
                  *q_map, *k_map, *v_map, *do_map, qk_scale, softmax_scale, Sk - Sq + max(right, 0), Sk - Sq - left,
                  cap_scale, slopes, slopes_b, Sk - Sq, **meta,
                  num_warps=4, maxnreg=MAXNREG)
