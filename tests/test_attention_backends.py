@@ -475,18 +475,26 @@ def deterministic_algorithms():
     torch.use_deterministic_algorithms(before)
 
 
-def test_gluon_backward_hands_over_to_triton_when_torch_asks_for_determinism(monkeypatch, request):
-    # the Gluon backward adds dQ tiles with atomics; under torch.use_deterministic_algorithms(True) the (atomic-free)
-    # Triton backward runs instead, on the Gluon forward's out and lse. The interpreted Triton forward stands in for
-    # the Gluon one, a recorder for the Gluon backward (both need a Hopper GPU: tests/gpu)
+def _recorded_gluon_backward(monkeypatch):
+    """The interpreted Triton forward in place of the Gluon one, and a recorder (of its `deterministic` argument,
+    returning zero gradients) in place of the Gluon backward: both need a Hopper GPU (tests/gpu)."""
     from hf_fastpath.attention import ops
     from hf_fastpath.kernels import gluon_attention_bwd as gb
 
     monkeypatch.setattr(ops, "_gluon_forward", _triton_as_gluon_forward)
     ran = []
     monkeypatch.setattr(gb, "supported", lambda *a: True)
-    monkeypatch.setattr(gb, "gluon_attention_backward", lambda dout, q, k, v, *a, **kw: ran.append(1) or (
-        torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    monkeypatch.setattr(gb, "gluon_attention_backward", lambda dout, q, k, v, *a, deterministic, **kw: ran.append(
+        deterministic) or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    return ran
+
+
+def test_gluon_backward_hands_over_to_triton_when_torch_asks_for_determinism(monkeypatch, request):
+    # under torch.use_deterministic_algorithms(True) the Gluon backward's ordered dQ adds lose to the (atomic-free)
+    # Triton backward without a soft-cap: Triton runs, on the Gluon forward's out and lse
+    from hf_fastpath.attention import ops
+
+    ran = _recorded_gluon_backward(monkeypatch)
     q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=32))
     params = AttentionParams(causal=True, softmax_scale=0.3)
 
@@ -494,15 +502,29 @@ def test_gluon_backward_hands_over_to_triton_when_torch_asks_for_determinism(mon
         out, _ = ops.gluon_attn(q, k, v, params)
         return torch.autograd.grad(out.sum(), (q, k, v))
 
-    assert all((g == 0).all() for g in grads()) and ran == [1]  # the (recorded) Gluon backward
+    assert all((g == 0).all() for g in grads()) and ran == [False]  # the (recorded) Gluon backward
     request.getfixturevalue("deterministic_algorithms")
     got = grads()
-    assert ran == [1]
+    assert ran == [False]
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = torch.autograd.grad(reference.attention_forward(q64, k64, v64, causal=True, softmax_scale=0.3)[0].sum(),
                                (q64, k64, v64))
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+
+
+def test_soft_capped_gluon_backward_runs_deterministic_when_torch_asks(monkeypatch, request):
+    # with a soft-cap the Gluon backward in its deterministic mode beats the Triton one: it runs, asked for it
+    from hf_fastpath.attention import ops
+
+    ran = _recorded_gluon_backward(monkeypatch)
+    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=32))
+    params = AttentionParams(causal=True, softmax_scale=0.3, softcap=20.0)
+    for _ in range(2):
+        out, _ = ops.gluon_attn(q, k, v, params)
+        assert all((g == 0).all() for g in torch.autograd.grad(out.sum(), (q, k, v)))
+        request.getfixturevalue("deterministic_algorithms")
+    assert ran == [False, True]
 
 
 @pytest.mark.parametrize("name", ["fa2", "fa3", "fa4"])

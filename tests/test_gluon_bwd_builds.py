@@ -33,7 +33,10 @@ def test_gluon_attention_backward_builds_for_sm90():
     alibi = {f"bwd hd{d} causal bf16 {v} alibi" for v in gb.VARIANTS for d in gb.HEAD_DIMS}
     alibi |= {f"bwd hd128 {what} {v} alibi{extra}" for v in gb.VARIANTS
               for what, extra in (("full bf16", ""), ("causal bf16", " keymask"), ("causal bf16", " softcap"))}
-    assert {b["name"] for b in builds} == plain | masked | windowed | alibi
+    deterministic = {f"bwd hd{d} {kind} bf16 {v} deterministic" for v in gb.VARIANTS for d in gb.HEAD_DIMS
+                     for kind in ("causal", "full")}
+    deterministic |= {f"bwd hd128 causal bf16 {v} window packed deterministic" for v in gb.VARIANTS}
+    assert {b["name"] for b in builds} == plain | masked | windowed | alibi | deterministic
     assert all(b["hgmma"] > 0 for b in builds), builds
 
 
@@ -58,9 +61,11 @@ def test_offline_shared_estimate_and_blocks():
             assert set(cfg.block_m) == set(cfg.stages) == set(gb.HEAD_DIMS)
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
     assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False,
-                                                         MASK_MODE=0, WINDOW=False, SOFTCAP=False, ALIBI=0)
-    meta = gb.kernel_args(128, True, "split", 1, True, True, 2)[1]
-    assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"], meta["ALIBI"]) == (1, True, True, 2)
+                                                         MASK_MODE=0, WINDOW=False, SOFTCAP=False, ALIBI=0,
+                                                         DETERMINISTIC=False)
+    meta = gb.kernel_args(128, True, "split", 1, True, True, 2, True)[1]
+    assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"], meta["ALIBI"], meta["DETERMINISTIC"]) == \
+        (1, True, True, 2, True)
     assert gb.kernel_args(128, True, "split", 2)[1]["MASK_MODE"] == 2
     assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
     with pytest.raises(ValueError, match="variant must be one of"):

@@ -104,7 +104,8 @@ def attention(
     "triton", "sdpa", "fa2", "fa3", "fa4", "reference" (fails clearly when missing or unable to serve the call).
     `dropout_p > 0` needs FA2 (flash-attn); the other backends raise NotImplementedError.
     Under `torch.use_deterministic_algorithms(True)` gradients are bitwise repeatable: FlashAttention gets
-    `deterministic=True`, and our Gluon backward (whose dQ adds with atomics) hands over to the Triton one.
+    `deterministic=True`; our Gluon backward orders its dQ adds (`deterministic=True`) where that still beats the
+    atomic-free Triton backward (soft-capped calls), else hands over to the Triton one.
     """
     from .backends import select_backend
 

@@ -158,11 +158,15 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, c
 
     masks = _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap)
     triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
-    # e.g. Sq * Hq * D past 32-bit dQ offsets; or torch.use_deterministic_algorithms(True): the Gluon dQ adds its
-    # tiles with atomics (run to run differences in the last bits), the Triton backward has none
-    if not supported(dout, q, k, v, causal) or torch.are_deterministic_algorithms_enabled():
+    # torch.use_deterministic_algorithms(True): the Gluon dQ tiles then meet in a fixed order, which costs 0.55-0.96x
+    # its default speed; that beats the (atomic-free) Triton backward only with a soft-cap, 1.26-1.45x, elsewhere it
+    # is 0.62-0.91x (benchmarks/results/gluon_attention_deterministic.json). Not supported: e.g. Sq * Hq * D past
+    # 32-bit dQ offsets
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if not supported(dout, q, k, v, causal) or (deterministic and not softcap > 0):
         return triton_call()
-    return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, **masks), triton_call)
+    return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, deterministic=deterministic,
+                                    **masks), triton_call)
 
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_forward", mutates_args=())

@@ -7,7 +7,9 @@ and 0.79-0.91x cuDNN's, so plain training runs cuDNN through SDPA. Session 17: p
 kernels at hd128), which `fastpath` dispatches to it. Session 18: sliding windows (the interval of each key's visible
 queries shrinks) and soft-caps (tanh recomputed from S^T; 1 - tanh^2 waits in the dS^T tile of shared memory, as
 registers spilled), gluon_attention_window.json: hd128 fwd+bwd 1.25-1.31x Triton with a 4096 window, 1.40-1.64x
-with a soft-cap. No ALiBi, varlen or hd256 (dK + dV alone would take 256 registers a thread).
+with a soft-cap. Session 21: ALiBi. Session 22: `deterministic=True` (dQ tiles added in a fixed order, turn counters;
+gluon_attention_deterministic.json: 0.55-0.96x the default, so it beats the Triton backward only with a soft-cap).
+No varlen with different q / k packing, no hd256 (dK + dV alone would take 256 registers a thread).
 
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
   domain with -inf -> +inf so that rows with no visible key get P = 0);
