@@ -492,8 +492,9 @@ if HAS_GLUON:
                 d = r * RED_COLS + gl.arange(0, RED_COLS, layout=gl.SliceLayout(0, red_layout))
                 gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=q_mask, sem="relaxed")
             if DETERMINISTIC:
-                if CAUSAL:  # the turns of two tiles at once: one wait for the atomics to land per two tiles. The
-                    # next block in a tile's order is two tiles ahead of this one (2 x 64 queries a 128-key block)
+                if CAUSAL:  # the turns of two tiles at once, one wait for the atomics to land per two tiles (the
+                    # next block in a tile's order is two tiles ahead of this one: 2 x 64 queries a 128-key block);
+                    # measured within 2% of one at a time (docs/attention.md, session 22)
                     if it % 2 == 1:
                         _pass_turn(prev_turn, turn_ptr)
                     prev_turn = turn_ptr
