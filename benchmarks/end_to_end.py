@@ -48,7 +48,12 @@ MISTRAL_7B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads
 # ALiBi (no rotary), 64 heads of 64, sequential attention and MLP (Falcon-RW-7B: tiiuae/falcon-rw-7b)
 FALCON_RW_7B = dict(hidden_size=4096, num_attention_heads=64, alibi=True, multi_query=False,
                     new_decoder_architecture=False, parallel_attn=False, bias=True, vocab_size=65024)
+# head dim 96 (padded to 128 tiles by the Gluon kernels), 64 heads, rotary on a quarter of each head, parallel
+# attention and MLP (EleutherAI/gpt-neox-20b)
+NEOX_20B = dict(hidden_size=6144, intermediate_size=24576, num_attention_heads=64, rotary_pct=0.25,
+                use_parallel_residual=True, vocab_size=50432, max_position_embeddings=40960)
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
+          "neox-20b": ("gpt_neox", NEOX_20B, "GPT-NeoX-20B shape (head dim 96), random weights"),
           "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights"),
           "mistral-7b": ("mistral", MISTRAL_7B, "Mistral-7B shape (sliding window 4096), random weights"),
           "falcon-rw-7b": ("falcon", FALCON_RW_7B, "Falcon-RW-7B shape (ALiBi, head dim 64), random weights")}

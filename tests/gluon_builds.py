@@ -26,17 +26,19 @@ MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=False, softcap=False, alibi=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = cfg or ga.config(head_dim, causal)
-    fn, constexprs = ga.kernel_args(head_dim, causal, cfg, mask_mode, window, softcap, alibi)
+    tile = ga.tile_dim(head_dim)  # a padded head dim (`ga.tile_view`) loads through 3-D descriptors
+    box = (lambda rows: [rows, tile]) if tile == head_dim else (lambda rows: [1, rows, tile])
+    cfg = cfg or ga.config(tile, causal)
+    fn, constexprs = ga.kernel_args(tile, causal, cfg, mask_mode, window, softcap, alibi, dim=head_dim)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name == "q_desc":
-            sig[p.name] = descriptor_type(dtype, [ga.ROWS_PER_WARPGROUP, head_dim])
+            sig[p.name] = descriptor_type(dtype, box(ga.ROWS_PER_WARPGROUP))
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, [cfg.block_n, head_dim])
+            sig[p.name] = descriptor_type(dtype, box(cfg.block_n))
         elif p.name == "out_desc":  # None (a constexpr) unless the output goes out by TMA
             if cfg.tma_store:
                 sig[p.name] = descriptor_type(dtype, [1, ga.ROWS_PER_WARPGROUP, head_dim])
@@ -94,6 +96,10 @@ def cases():
         yield (f"fwd hd{head_dim} {'causal' if causal else 'full'} bf16 alibi", head_dim, causal, torch.bfloat16, None,
                0, False, False, 2 if causal else 1)
     yield "fwd hd128 causal bf16 alibi keymask", 128, True, torch.bfloat16, None, 1, False, False, 2
+    # head dims padded to the next tile width (`ga.tile_dim`): GPT-NeoX-20B's 96, and 192
+    yield "fwd hd96 causal bf16", 96, True, torch.bfloat16, None, 0, False, False
+    yield "fwd hd96 full bf16 keymask", 96, False, torch.bfloat16, None, 1, False, False
+    yield "fwd hd192 causal bf16 window softcap", 192, True, torch.bfloat16, None, 0, True, True
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
             for variant, cfg in ga.variants(head_dim, causal).items():
@@ -109,11 +115,12 @@ def main():
         try:
             kernel = build(head_dim, causal, dtype, cfg, mask_mode, window, softcap, *alibi)
             ptx = kernel.asm.get("ptx", "")
-            cfg = cfg or ga.config(head_dim, causal)
-            o_buffer = ga.kernel_args(head_dim, causal, cfg)[1].get("O_BUFFER", False)
+            tile = ga.tile_dim(head_dim)
+            cfg = cfg or ga.config(tile, causal)
+            o_buffer = ga.kernel_args(tile, causal, cfg)[1].get("O_BUFFER", False)
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   setmaxnreg=ptx.count("setmaxnreg"),
-                                  shared_estimate=ga._shared_bytes(head_dim, cfg, o_buffer), triton=triton.__version__,
+                                  shared_estimate=ga._shared_bytes(tile, cfg, o_buffer), triton=triton.__version__,
                                   **ptxas_report(kernel))), flush=True)
             dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build

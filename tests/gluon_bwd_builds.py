@@ -27,7 +27,10 @@ MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=False, alibi=0, deterministic=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, constexprs = gb.kernel_args(head_dim, causal, variant, mask_mode, window, softcap, alibi, deterministic)
+    tile = gb._fwd.tile_dim(head_dim, gb.HEAD_DIMS)  # a padded head dim loads through 3-D descriptors
+    box = (lambda rows: [rows, tile]) if tile == head_dim else (lambda rows: [1, rows, tile])
+    fn, constexprs = gb.kernel_args(tile, causal, variant, mask_mode, window, softcap, alibi, deterministic,
+                                    dim=head_dim)
     cfg = gb.launch(variant)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
@@ -35,9 +38,9 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in ("q_desc", "do_desc"):
-            sig[p.name] = descriptor_type(dtype, [cfg.block_m[head_dim], head_dim])
+            sig[p.name] = descriptor_type(dtype, box(cfg.block_m[tile]))
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, [gb.BLOCK_N, head_dim])
+            sig[p.name] = descriptor_type(dtype, box(gb.BLOCK_N))
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name == "km_ptr":  # None (a constexpr) without a mask
@@ -100,6 +103,9 @@ def cases():
             if head_dim == 128:  # every input of the turn order: a window's left edge and the segment table
                 yield (f"bwd hd{head_dim} causal bf16 {variant} window packed deterministic", head_dim, True,
                        torch.bfloat16, variant, 2, True, False, 0, True)
+    # head dims padded to 128 (`tile_dim`): GPT-NeoX-20B's 96; 104 stores part of a 16-column dQ piece
+    yield "bwd hd96 causal bf16 split", 96, True, torch.bfloat16, "split", 0, False, False
+    yield "bwd hd104 full bf16 split keymask", 104, False, torch.bfloat16, "split", 1, False, False
 
 
 def main():
@@ -111,7 +117,7 @@ def main():
             kernel = build(head_dim, causal, dtype, variant, mask_mode, window, softcap, *alibi)
             ptx = kernel.asm.get("ptx", "")
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
-                                  shared_estimate=gb.shared_bytes(head_dim, variant),
+                                  shared_estimate=gb.shared_bytes(gb._fwd.tile_dim(head_dim, gb.HEAD_DIMS), variant),
                                   n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__,
                                   **ptxas_report(kernel))), flush=True)

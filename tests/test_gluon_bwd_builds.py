@@ -37,7 +37,8 @@ def test_gluon_attention_backward_builds_for_sm90():
     deterministic = {f"bwd hd{d} {kind} bf16 {v} deterministic" for v in gb.VARIANTS for d in gb.HEAD_DIMS
                      for kind in ("causal", "full")}
     deterministic |= {f"bwd hd128 causal bf16 {v} window packed deterministic" for v in gb.VARIANTS}
-    assert {b["name"] for b in builds} == plain | masked | windowed | alibi | deterministic
+    padded = {"bwd hd96 causal bf16 split", "bwd hd104 full bf16 split keymask"}
+    assert {b["name"] for b in builds} == plain | masked | windowed | alibi | deterministic | padded
     assert all(b["hgmma"] > 0 for b in builds), builds
 
 
@@ -63,12 +64,13 @@ def test_offline_shared_estimate_and_blocks():
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
     assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False,
                                                          MASK_MODE=0, WINDOW=False, SOFTCAP=False, ALIBI=0,
-                                                         DETERMINISTIC=False)
+                                                         DETERMINISTIC=False, DIM=0)
     meta = gb.kernel_args(128, True, "split", 1, True, True, 2, True)[1]
     assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"], meta["ALIBI"], meta["DETERMINISTIC"]) == \
         (1, True, True, 2, True)
     assert gb.kernel_args(128, True, "split", 2)[1]["MASK_MODE"] == 2
     assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
+    assert gb.kernel_args(128, True, "split", dim=96)[1]["DIM"] == 96  # a padded head dim's stores
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg2")
 

@@ -347,7 +347,8 @@ def _gluon_importable() -> bool:
 
 class GluonBackend:
     """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
-    warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256 (hd256: the Triton backward), causal or
+    warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256, or a multiple of 8 between them run at the
+    next of those (`tile_dim`; past 128: the Triton backward), causal or
     not, with or without a padding mask or packed segments, a sliding window, a soft-cap or ALiBi, and varlen calls
     whose queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table
     says it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)` its backward adds dQ
@@ -371,15 +372,16 @@ class GluonBackend:
         return None
 
     def unsupported(self, req):
-        from ..kernels.gluon_attention import HEAD_DIMS
+        from ..kernels.gluon_attention import HEAD_DIMS, tile_dim
 
         why = dispatch.cuda_half_unsupported(req)
         if why:
             return why
         if req.capability != (9, 0):
             return f"needs a Hopper GPU (sm_90), this GPU is sm_{req.capability[0]}{req.capability[1]}"
-        if req.head_dim not in HEAD_DIMS:
-            return f"supports head dims {', '.join(map(str, HEAD_DIMS))}, got {req.head_dim}"
+        if tile_dim(req.head_dim) is None:
+            return (f"supports head dims {', '.join(map(str, HEAD_DIMS))} and multiples of 8 between them, got "
+                    f"{req.head_dim}")
         if req.varlen and not req.one_packing:
             return ("takes varlen inputs only with queries and keys packed alike: pass one tensor as both "
                     "cu_seqlens_q and cu_seqlens_k")

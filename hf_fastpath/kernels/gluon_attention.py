@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from .common import derived_once, nvmma_layout
+from .common import derived_once, next_pow2, nvmma_layout
 from .device import compute_major, on_input_device
 from .flash_attention import _key_mask_arg, _slopes, _window
 
@@ -62,7 +62,7 @@ try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` sa
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
 
-__all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "Config", "config", "variants"]
+__all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "tile_dim", "Config", "config", "variants"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -71,6 +71,18 @@ ROWS_PER_WARPGROUP = 64  # the wgmma M of one warpgroup; two consumers make a 12
 BLOCK_M = 2 * ROWS_PER_WARPGROUP
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers; setmaxnreg then moves them to the consumers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
+
+
+def tile_dim(head_dim: int, dims: tuple = HEAD_DIMS) -> int | None:
+    """The tile width the kernels run a head dim at: itself when it is one of `dims`; else, for a multiple of 8 (TMA
+    rows must be 16-byte aligned) between 64 and the widest of `dims` (e.g. 96: GPT-NeoX-20B; 80, 192), the next
+    power of two. The padded columns cost their share of the MMAs but no copy: a 3-D descriptor (`tile_view`)
+    reads them as zeros, which keeps Q.K^T and dO.V^T exact, and the stores skip them. None: not taken."""
+    if head_dim in dims:
+        return head_dim
+    if head_dim % 8 or not 64 < head_dim < max(dims):
+        return None
+    return next_pow2(head_dim)
 
 
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may opt in to on sm_90 (227 KB)
@@ -124,15 +136,19 @@ def _stages_o_in_q(head_dim: int, cfg: Config) -> bool:
 
 
 def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0, window: bool = False,
-                softcap: bool = False, alibi: int = 0) -> tuple:
+                softcap: bool = False, alibi: int = 0, dim: int | None = None) -> tuple:
     """(kernel, its constexprs) for one configuration, mask mode (0 none, 1 key mask, 2 packed segments), left window
-    edge, soft-cap and ALiBi (`alibi_mode`); `causal`: keys bounded on the right (causal, or a right window edge).
+    edge, soft-cap and ALiBi (`alibi_mode`); `causal`: keys bounded on the right (causal, or a right window edge);
+    `head_dim`: the tile width, `dim`: the tensors' head dim where it is less (`tile_dim`).
     The launcher and tests/gluon_builds.py share it."""
+    padded = dim is not None and dim != head_dim
     meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
                 PINGPONG=cfg.pingpong, TMA_STORE=cfg.tma_store)
+    if padded and (cfg.persistent or cfg.tma_store):
+        raise ValueError("a padded head dim takes neither the persistent nor the TMA-store variant")
     if not cfg.persistent:
         return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode, WINDOW=bool(window), SOFTCAP=bool(softcap),
-                                      ALIBI=int(alibi))
+                                      ALIBI=int(alibi), DIM=dim if padded else 0)
     if mask_mode or window or softcap or alibi:
         raise ValueError("the persistent variant takes no key mask, segments, window, soft-cap or ALiBi")
     meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
@@ -209,11 +225,32 @@ if HAS_GLUON:
         return tile, bh
 
     @gluon.jit
+    def _load_tile(desc, row, col, bar, dest):
+        """TMA load of one [rows, D] tile: at (row, col) of a 2-D descriptor, or at (col, row, 0) of a 3-D one
+        (`tile_view`: a padded head dim, whose columns past the tensor's D arrive as zeros)."""
+        if len(desc.block_type.shape) == 3:
+            _tma_load(desc, [col, row, 0], bar, dest.reshape(desc.block_type.shape))
+        else:
+            _tma_load(desc, [row, col], bar, dest)
+
+    @gluon.constexpr_function
+    def _tile_shape(block_shape):
+        """[rows, columns] of the tiles a 2-D or 3-D (`tile_view`) descriptor loads."""
+        return [block_shape[-2], block_shape[-1]]
+
+    @gluon.jit
+    def _tile_buffer(desc, count: gl.constexpr):
+        """Shared memory for `count` tiles of a descriptor, as 2-D [rows, columns] tiles."""
+        shape: gl.constexpr = _tile_shape(desc.block_type.shape)
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(shape, desc.dtype)
+        return gl.allocate_shared_memory(desc.dtype, [count] + shape, layout)
+
+    @gluon.jit
     def _load_q(q_desc, q_smem, q_ready, q_row, q_col):
-        rows: gl.constexpr = q_desc.block_type.shape[0]
+        rows: gl.constexpr = q_smem.type.shape[1]
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [q_row + rows, q_col], q_ready, q_smem.index(1))
+        _load_tile(q_desc, q_row, q_col, q_ready, q_smem.index(0))
+        _load_tile(q_desc, q_row + rows, q_col, q_ready, q_smem.index(1))
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, first, last, kv0,
@@ -225,9 +262,9 @@ if HAS_GLUON:
             # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
             mbarrier.wait(kv_empty.index(slot), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
+            _load_tile(k_desc, kv_row + j * BLOCK_N, kv_col, k_ready.index(slot), k_smem.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+            _load_tile(v_desc, kv_row + j * BLOCK_N, kv_col, v_ready.index(slot), v_smem.index(slot))
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
@@ -368,14 +405,15 @@ if HAS_GLUON:
                   O_BUFFER: gl.constexpr = False, first=0, u0=1, km_ptr=None, km_b=0, km_plane=0,
                   MASK_MODE: gl.constexpr = 0, diag_lo=0, cap_scale=1.0, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, key_lo=0, key_hi=0, alibi_diag=0, alibi_coef=0.0,
-                  ALIBI: gl.constexpr = 0):
+                  ALIBI: gl.constexpr = 0, DIM: gl.constexpr = 0):
         """One warpgroup's 64 rows of one query tile: key tiles first..n_tiles-1, unmasked u0..u1-1 (see
         `_tile_plan`). kv0 / turn0: K/V tiles / ping-pong turns this CTA went
         through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
         goes back to the producer through q_empty: right after the last Q.K^T, so the next tile's Q loads under
         this one's last P.V and store, or, when TMA_STORE stages O in Q's buffer (o_smem is Q's unless O_BUFFER),
-        only once TMA has read O."""
+        only once TMA has read O. DIM: out's head dim where it is less than the tiles' HEAD_DIM (`tile_dim`)."""
         ROWS: gl.constexpr = q_smem.type.shape[1]
+        OUT_DIM: gl.constexpr = DIM if DIM else HEAD_DIM
         O_IN_Q: gl.constexpr = TMA_STORE and not O_BUFFER
         RELEASE_Q_EARLY: gl.constexpr = PERSISTENT and not O_IN_Q
         # wait for Q even without a key tile when O will overwrite it: else Q's TMA load could land on top of O
@@ -483,9 +521,12 @@ if HAS_GLUON:
         else:
             o_rows = m0 + WARPGROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
             cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            row_off = ((b * seq_q + o_rows).to(gl.int64) * num_heads + h) * HEAD_DIM
+            row_off = ((b * seq_q + o_rows).to(gl.int64) * num_heads + h) * OUT_DIM
             ptrs = out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
-            gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_rows < seq_q, 1))
+            o_mask = gl.expand_dims(o_rows < seq_q, 1)
+            if OUT_DIM < HEAD_DIM:
+                o_mask = o_mask & gl.expand_dims(cols < OUT_DIM, 0)
+            gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
     @gluon.jit
     def _key_mask_consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
@@ -493,7 +534,7 @@ if HAS_GLUON:
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, out_desc, TMA_STORE: gl.constexpr, first, u0, km_ptr, km_b,
                            km_plane, diag_lo, cap_scale, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, run_lo,
-                           run_hi, alibi_diag, alibi_coef, ALIBI: gl.constexpr):
+                           run_hi, alibi_diag, alibi_coef, ALIBI: gl.constexpr, DIM: gl.constexpr):
         """A key-mask call's consumer: a batch row whose real keys are one run (left / right padding, what
         Transformers builds) masks by its two ends (run_lo < run_hi or an empty run); others load the mask per key."""
         if run_lo <= run_hi:
@@ -501,12 +542,13 @@ if HAS_GLUON:
                       seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
                       CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, None,
                       km_b, km_plane, 3, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi, alibi_diag, alibi_coef,
-                      ALIBI)
+                      ALIBI, DIM)
         else:
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                       seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
                       CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, km_ptr,
-                      km_b, km_plane, 1, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0, alibi_diag, alibi_coef, ALIBI)
+                      km_b, km_plane, 1, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0, alibi_diag, alibi_coef, ALIBI,
+                      DIM)
 
     @gluon.jit
     def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -566,9 +608,9 @@ if HAS_GLUON:
     @gluon.jit
     def _allocate(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
         """Shared memory and mbarriers of one CTA: Q (two 64-row halves), the K/V ring, and its barriers."""
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = _tile_buffer(q_desc, 2)
+        k_smem = _tile_buffer(k_desc, STAGES)
+        v_smem = _tile_buffer(v_desc, STAGES)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -589,7 +631,7 @@ if HAS_GLUON:
                          diag, diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                          TMA_STORE: gl.constexpr, MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False,
-                         SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0):
+                         SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0, DIM: gl.constexpr = 0):
         """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
         MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
         of `flash_attention.segment_table` (plane stride km_plane); 0: None. With a key mask, run_ptr [2, B] holds each
@@ -597,8 +639,9 @@ if HAS_GLUON:
         CAUSAL (diag = Sk - Sq + the right window edge) and from i + diag_lo on with WINDOW (diag_lo = Sk - Sq - the
         left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e). ALIBI (1, or
         2 when causal with no right window edge: see `alibi_mode`): scores - slope * |i + alibi_diag - j| (alibi_diag
-        = Sk - Sq), slopes fp32 [B or 1, H] (batch stride slopes_b)."""
-        ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        = Sk - Sq), slopes fp32 [B or 1, H] (batch stride slopes_b). DIM: the tensors' head dim when the tiles are
+        wider (3-D descriptors of `tile_view`), else 0."""
+        ROWS: gl.constexpr = _tile_shape(q_desc.block_type.shape)[0]
         TILE_M: gl.constexpr = 2 * ROWS
         pid_m = gl.program_id(0)
         if CAUSAL:  # the longest rows first, so the short ones fill the tail of the grid
@@ -636,12 +679,12 @@ if HAS_GLUON:
                                       lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0,
                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
                                       km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
-                                      alibi_diag, alibi_coef, ALIBI)),
+                                      alibi_diag, alibi_coef, ALIBI, DIM)),
                 (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
                                       lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1,
                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
                                       km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
-                                      alibi_diag, alibi_coef, ALIBI)),
+                                      alibi_diag, alibi_coef, ALIBI, DIM)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                              q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], _REGS)
@@ -651,12 +694,12 @@ if HAS_GLUON:
                              b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
                              CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
                              km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
-                             alibi_diag, alibi_coef, ALIBI)),
+                             alibi_diag, alibi_coef, ALIBI, DIM)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
                              b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
                              CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
                              km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
-                             alibi_diag, alibi_coef, ALIBI)),
+                             alibi_diag, alibi_coef, ALIBI, DIM)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                              q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], _REGS)
@@ -697,7 +740,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return (HAS_GLUON and q.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
             and compute_major(q.device) == 9
             and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[-1] in HEAD_DIMS and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
+            and tile_dim(q.shape[-1]) is not None and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
             and k.shape == v.shape and q.shape[0] == k.shape[0] and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
 
 
@@ -713,11 +756,29 @@ def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return _row_view(x.contiguous())
 
 
+def tile_view(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """`_row_view`, or for a head dim padded to `tile` columns a 3-D [heads, rows, D] view (TMA zero-fills a box's
+    columns past D, where a 2-D box would read the next head's): its head coordinate is h * col_h."""
+    view, (row_b, row_h, col_h) = _row_view(x)
+    D = x.shape[-1]
+    if D == tile:
+        return view, (row_b, row_h, col_h)
+    heads = x.shape[2] if col_h else 1
+    return view.view(view.shape[0], heads, D).transpose(0, 1), (row_b, row_h, 1 if col_h else 0)
+
+
+def tile_descriptor(view: torch.Tensor, rows: int, tile: int, elem) -> "TensorDescriptor":
+    """The TMA descriptor of [rows, tile] boxes over a `tile_view`."""
+    block = [rows, tile] if view.dim() == 2 else [1, rows, tile]
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, nvmma_layout(tuple(block), elem))
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, *,
                  caller: str = "gluon_attention_forward", fallback: str = "flash_attention_forward",
                  also: tuple = (), head_dims: tuple = HEAD_DIMS) -> None:
     """ValueErrors naming the problem and the fix for what the Gluon kernels take; `also`: more (name, tensor)
-    pairs that must be 4-D and of q's dtype (the backward's dout and out); `head_dims`: those the kernel has."""
+    pairs that must be 4-D and of q's dtype (the backward's dout and out); `head_dims`: the kernel's tile widths
+    (`tile_dim`)."""
     if not HAS_GLUON:
         raise ValueError(f"{caller} needs Triton with Gluon's Hopper module (triton >= 3.6); use "
                          f"hf_fastpath.kernels.flash_attention.{fallback} instead")
@@ -730,8 +791,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for _, t in named):
         raise ValueError(f"{', '.join(n for n, _ in named)} must all be bfloat16 or all float16; got "
                          f"{', '.join(str(t.dtype) for _, t in named)}")
-    if q.shape[-1] not in head_dims or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head dim must be one of {head_dims} and equal for q, k, v; got {q.shape[-1]}, "
+    if tile_dim(q.shape[-1], head_dims) is None or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"head dim must be one of {head_dims} or a multiple of 8 between {min(head_dims)} and "
+                         f"{max(head_dims)}, and equal for q, k, v; got {q.shape[-1]}, "
                          f"{k.shape[-1]}, {v.shape[-1]} (use {fallback} for other head dims)")
     if k.shape != v.shape or q.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have equal shapes and q's batch; got q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -772,26 +834,25 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if Sk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
 
-    cfg = variant if variant is not None else config(D, bool(causal))
+    tile = tile_dim(D)
+    cfg = variant if variant is not None else config(tile, bool(causal))
     left, right = _window(causal, window_size)
     diag = Sk - Sq
     qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q2, (q_row_b, q_row_h, q_col_h) = _row_view(q)
-    k2, (kv_row_b, kv_row_h, kv_col_h) = _row_view(k)
-    v2, v_map = _row_view(v)
+    q2, (q_row_b, q_row_h, q_col_h) = tile_view(q, tile)
+    k2, (kv_row_b, kv_row_h, kv_col_h) = tile_view(k, tile)
+    v2, v_map = tile_view(v, tile)
     if v_map != (kv_row_b, kv_row_h, kv_col_h):  # k and v share one address map in the kernel
-        k2, (kv_row_b, kv_row_h, kv_col_h) = _row_view(k.contiguous())
-        v2, _ = _row_view(v.contiguous())
-    q_block, kv_block = [ROWS_PER_WARPGROUP, D], [cfg.block_n, D]
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), q_block,
-                              nvmma_layout(tuple(q_block), elem))
-    kv_layout = nvmma_layout(tuple(kv_block), elem)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kv_block, kv_layout)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_layout)
+        k2, (kv_row_b, kv_row_h, kv_col_h) = tile_view(k.contiguous(), tile)
+        v2, _ = tile_view(v.contiguous(), tile)
+    q_desc = tile_descriptor(q2, ROWS_PER_WARPGROUP, tile, elem)
+    k_desc = tile_descriptor(k2, cfg.block_n, tile, elem)
+    v_desc = tile_descriptor(v2, cfg.block_n, tile, elem)
     out_desc = _out_descriptor(out, elem) if cfg.tma_store else None
 
-    kernel, meta = kernel_args(D, right >= 0, cfg, mask_mode, left >= 0, softcap > 0, alibi_mode(slopes, right))
+    kernel, meta = kernel_args(tile, right >= 0, cfg, mask_mode, left >= 0, softcap > 0, alibi_mode(slopes, right),
+                               dim=D)
     n_m_tiles = triton.cdiv(Sq, BLOCK_M)
     if cfg.persistent:
         head_args, tail = (Sq, Sk, Hq, Hq // Hkv, B * Hq), ()

@@ -51,7 +51,6 @@ import torch
 import triton
 
 from . import gluon_attention as _fwd
-from .common import nvmma_layout
 from .device import on_input_device
 from .gluon_attention import HAS_GLUON, LOG2E
 
@@ -60,9 +59,8 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_attention import _barrier, _tma_load
+    from .gluon_attention import _barrier, _load_tile, _tile_shape
 
 __all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "VARIANTS", "DEFAULT_VARIANTS",
            "Launch", "launch", "BLOCK_N"]
@@ -115,8 +113,8 @@ if HAS_GLUON:
                   do_row_b, do_row_h, do_col_h):
         """TMA loads of Q and dO rows m0.. of query head h into ring slot `slot`."""
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        _tma_load(q_desc, [b * q_row_b + h * q_row_h + m0, h * q_col_h], ready.index(slot), q_smem.index(slot))
-        _tma_load(do_desc, [b * do_row_b + h * do_row_h + m0, h * do_col_h], ready.index(slot), do_smem.index(slot))
+        _load_tile(q_desc, b * q_row_b + h * q_row_h + m0, h * q_col_h, ready.index(slot), q_smem.index(slot))
+        _load_tile(do_desc, b * do_row_b + h * do_row_h + m0, h * do_col_h, ready.index(slot), do_smem.index(slot))
 
     @gluon.jit
     def _row_stats(lse2_ptr, delta_ptr, b, h, m0, seq_q, num_heads, valid, BLOCK_M: gl.constexpr,
@@ -328,15 +326,18 @@ if HAS_GLUON:
         return dk, dv
 
     @gluon.jit
-    def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, key0, seq_k, num_kv_heads, sm_scale):
-        """dK (scaled by softmax_scale) and dV of keys key0.. into [B, Sk, Hkv, D], rows past Sk masked."""
+    def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, key0, seq_k, num_kv_heads, sm_scale, DIM: gl.constexpr):
+        """dK (scaled by softmax_scale) and dV of keys key0.. into [B, Sk, Hkv, DIM], rows past Sk and the tile's
+        columns past DIM (a padded head dim) masked."""
         ROWS: gl.constexpr = dk.type.shape[0]
         HEAD_DIM: gl.constexpr = dk.type.shape[1]
         layout: gl.constexpr = dk.type.layout
         d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
         k_rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * HEAD_DIM
+        kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * DIM
         kv_mask = gl.expand_dims(k_rows < seq_k, 1)
+        if DIM < HEAD_DIM:
+            kv_mask = kv_mask & gl.expand_dims(d_cols < DIM, 0)
         kv_ptrs = gl.expand_dims(kv_off, 1) + gl.expand_dims(d_cols, 0)
         gl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
         gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -356,7 +357,7 @@ if HAS_GLUON:
                   n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag, diag_lo, cap_scale,
                   slopes_ptr, slopes_b, alibi_diag, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr,
-                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DIM: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
         both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
         split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
@@ -436,7 +437,7 @@ if HAS_GLUON:
             h = h_next
             mt = mt_next
 
-        _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0 + WG * ROWS, seq_k, num_kv_heads, sm_scale)
+        _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0 + WG * ROWS, seq_k, num_kv_heads, sm_scale, DIM)
 
     @gluon.jit
     def _loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready, ready,
@@ -445,15 +446,15 @@ if HAS_GLUON:
                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                         do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
-                        DETERMINISTIC: gl.constexpr):
+                        DETERMINISTIC: gl.constexpr, DIM: gl.constexpr):
         """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and the
         dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer. DETERMINISTIC: the key
         blocks add into each (batch, head, query tile) in a fixed order (`_dq_turn`), one counter per tile in
-        dq_turns, so the fp32 sums are bitwise repeatable."""
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        dq_turns, so the fp32 sums are bitwise repeatable. dQ is [B, Sq, Hq, DIM] (DIM <= HEAD_DIM, the tiles')."""
+        BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [b * k_row_b + hk * k_row_h + n0, hk * k_col_h], kv_ready, k_smem)
-        _tma_load(v_desc, [b * v_row_b + hk * v_row_h + n0, hk * v_col_h], kv_ready, v_smem)
+        _load_tile(k_desc, b * k_row_b + hk * k_row_h + n0, hk * k_col_h, kv_ready, k_smem)
+        _load_tile(v_desc, b * v_row_b + hk * v_row_h + n0, hk * v_col_h, kv_ready, v_smem)
         h = h0  # of the iteration being reduced
         mt = m_start
         h_ld = h0  # of the iteration loaded last
@@ -480,17 +481,21 @@ if HAS_GLUON:
             slot = it % 2
             mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
             queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, red_layout))
-            q_off = gl.expand_dims(queries * (num_heads * HEAD_DIM), 1)  # int32, from (batch, head)'s base
+            q_off = gl.expand_dims(queries * (num_heads * DIM), 1)  # int32, from (batch, head)'s base
             q_mask = gl.expand_dims(queries < seq_q, 1)
-            base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * HEAD_DIM
+            base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * DIM
             if DETERMINISTIC:
                 turn_ptr = dq_turns + (b * num_heads + h) * gl.cdiv(seq_q, BLOCK_M) + mt
                 _wait_turn(turn_ptr, _dq_turn(n0 // BLOCK_N, mt, b, seq_q, seq_k, km_ptr, km_b, km_plane, diag,
                                               diag_lo, BLOCK_M, BLOCK_N, CAUSAL, MASK_MODE, WINDOW))
-            for r in gl.static_range(HEAD_DIM // RED_COLS):
+            for r in gl.static_range((DIM + RED_COLS - 1) // RED_COLS):  # none of the padded columns' pieces
                 dq = dq_smem.index(slot).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
                 d = r * RED_COLS + gl.arange(0, RED_COLS, layout=gl.SliceLayout(0, red_layout))
-                gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=q_mask, sem="relaxed")
+                if DIM % RED_COLS:
+                    d_mask = q_mask & gl.expand_dims(d < DIM, 0)
+                else:
+                    d_mask = q_mask
+                gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=d_mask, sem="relaxed")
             if DETERMINISTIC:
                 if CAUSAL:  # the turns of two tiles at once, one wait for the atomics to land per two tiles (the
                     # next block in a tile's order is two tiles ahead of this one: 2 x 64 queries a 128-key block);
@@ -514,22 +519,26 @@ if HAS_GLUON:
                          slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                          STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0,
                          WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
-                         DETERMINISTIC: gl.constexpr = False):
+                         DETERMINISTIC: gl.constexpr = False, DIM: gl.constexpr = 0):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
         dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`). Masks as in the forward (MASK_MODE 1: km_ptr a
         uint8 key mask, 2: the segment table; 0: None); ALiBi as in the forward. DETERMINISTIC: dq_turns, zeroed
-        int32 [B, Hq, query tiles], orders the dQ adds (`_loader_reducer`); else unused (None)."""
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        int32 [B, Hq, query tiles], orders the dQ adds (`_loader_reducer`); else unused (None). DIM: the tensors'
+        head dim where the tiles are wider (3-D descriptors of `_fwd.tile_view`), else 0."""
+        BLOCK_M: gl.constexpr = _tile_shape(q_desc.block_type.shape)[0]
+        BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
+        OUT_DIM: gl.constexpr = DIM if DIM else HEAD_DIM
         dtype: gl.constexpr = q_desc.dtype
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        qm_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         b, hk, h0, n0, m_start, m_end, n_iters = _key_block(seq_q, seq_k, num_kv_heads, group, km_ptr, km_b, km_plane,
                                                             diag, diag_lo, BLOCK_N, BLOCK_M, CAUSAL, MASK_MODE,
                                                             WINDOW, DETERMINISTIC and CAUSAL)
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
         # dS^T [iteration % 2, all keys, queries] and dQ_i in fp32 [iteration % 2, queries, head dim]
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
@@ -554,37 +563,39 @@ if HAS_GLUON:
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
                          diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 0, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
-                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI)),
+                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
                          diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 1, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
-                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI)),
+                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                                ready, empty, dq_full, dq_empty, dq_ptr, dq_turns, b, hk, h0, n0, m_start, m_end,
                                n_iters, seq_q, seq_k, num_heads, km_ptr, km_b, km_plane, diag, diag_lo, q_row_b,
                                q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h, do_row_b,
                                do_row_h, do_col_h, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASK_MODE, WINDOW,
-                               DETERMINISTIC)),
+                               DETERMINISTIC, OUT_DIM)),
         ], [4, 4], _WS_REGS)
 
 
 def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0, window: bool = False,
-                softcap: bool = False, alibi: int = 0, deterministic: bool = False) -> tuple:
+                softcap: bool = False, alibi: int = 0, deterministic: bool = False, dim: int | None = None) -> tuple:
     """(kernel, its constexprs) of a variant, mask mode (0 none, 1 key mask, 2 packed segments), left window edge,
     soft-cap, ALiBi (`_fwd.alibi_mode`) and the ordered dQ adds;
-    `causal`: keys bounded on the right (causal, or a right window edge). The launcher and tests/gluon_bwd_builds.py
-    share it."""
+    `causal`: keys bounded on the right (causal, or a right window edge); `head_dim`: the tile width, `dim`: the
+    tensors' head dim where it is less (`_fwd.tile_dim`). The launcher and tests/gluon_bwd_builds.py share it."""
     cfg = launch(variant)
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
                                   KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode, WINDOW=bool(window),
-                                  SOFTCAP=bool(softcap), ALIBI=int(alibi), DETERMINISTIC=bool(deterministic))
+                                  SOFTCAP=bool(softcap), ALIBI=int(alibi), DETERMINISTIC=bool(deterministic),
+                                  DIM=dim if dim is not None and dim != head_dim else 0)
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
     """Whether `gluon_attention_backward` takes these inputs on this machine (else the caller falls back: the Triton
     backward takes the Gluon forward's LSE)."""
-    return (_fwd.supported(q, k, v, causal) and q.shape[-1] in HEAD_DIMS and dout.shape == q.shape
+    return (_fwd.supported(q, k, v, causal) and _fwd.tile_dim(q.shape[-1], HEAD_DIMS) is not None
+            and dout.shape == q.shape
             and dout.dtype == q.dtype and dout.device == q.device and _offsets_fit(q))
 
 
@@ -629,7 +640,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     _check(dout, q, k, v, out, lse, softmax_scale)
     if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
-    variant = variant or DEFAULT_VARIANTS[q.shape[-1]]
+    tile = _fwd.tile_dim(q.shape[-1], HEAD_DIMS)
+    variant = variant or DEFAULT_VARIANTS[tile]
     cfg = launch(variant)
     from .flash_attention import _bwd_preprocess, _strides4  # the plain-Triton preprocess (delta, lse2)
 
@@ -651,28 +663,26 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     pre_bm = 64
     _bwd_preprocess[(triton.cdiv(Sq, pre_bm), Hq, B)](
         out, dout, lse, delta, lse2, q, *_strides4(out, False), *_strides4(dout, False),
-        lse.stride(0), lse.stride(1), lse.stride(2), Sq, D_V=D, BLOCK_DV=D, BLOCK_M=pre_bm, IS_VARLEN=False)
+        lse.stride(0), lse.stride(1), lse.stride(2), Sq, D_V=D, BLOCK_DV=tile, BLOCK_M=pre_bm, IS_VARLEN=False)
 
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q2, q_map = _fwd._row_view(q)
-    do2, do_map = _fwd._row_view(dout)
-    k2, k_map = _fwd._row_view(k)
-    v2, v_map = _fwd._row_view(v)
+    q2, q_map = _fwd.tile_view(q, tile)
+    do2, do_map = _fwd.tile_view(dout, tile)
+    k2, k_map = _fwd.tile_view(k, tile)
+    v2, v_map = _fwd.tile_view(v, tile)
     left, right = _fwd._window(causal, window_size)
-    kernel, meta = kernel_args(D, right >= 0, variant, mask_mode, left >= 0, softcap > 0,
-                               _fwd.alibi_mode(slopes, right), deterministic)
+    kernel, meta = kernel_args(tile, right >= 0, variant, mask_mode, left >= 0, softcap > 0,
+                               _fwd.alibi_mode(slopes, right), deterministic, dim=D)
     qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
-    qm_block, kn_block = [cfg.block_m[D], D], [BLOCK_N, D]
-    qm_layout = nvmma_layout(tuple(qm_block), elem)
-    kn_layout = nvmma_layout(tuple(kn_block), elem)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), qm_block, qm_layout)
-    do_desc = TensorDescriptor(do2, list(do2.shape), list(do2.stride()), qm_block, qm_layout)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kn_block, kn_layout)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kn_block, kn_layout)
+    block_m = cfg.block_m[tile]
+    q_desc = _fwd.tile_descriptor(q2, block_m, tile, elem)
+    do_desc = _fwd.tile_descriptor(do2, block_m, tile, elem)
+    k_desc = _fwd.tile_descriptor(k2, BLOCK_N, tile, elem)
+    v_desc = _fwd.tile_descriptor(v2, BLOCK_N, tile, elem)
 
     dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
     # one turn counter per (batch, head, query tile)
-    dq_turns = torch.zeros(B, Hq, triton.cdiv(Sq, cfg.block_m[D]), device=q.device, dtype=torch.int32) \
+    dq_turns = torch.zeros(B, Hq, triton.cdiv(Sq, block_m), device=q.device, dtype=torch.int32) \
         if deterministic else None
     grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
     kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dq_turns, dk, dv, km, km_b, km_plane, Sq, Sk,

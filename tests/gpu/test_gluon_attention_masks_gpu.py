@@ -76,7 +76,8 @@ def _check(name, q, k, v, dout, causal, masks, floor=2e-3):
     out_rel = _rel(out, ref_out)
     lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
 
-    if q.shape[-1] not in gb.HEAD_DIMS:  # hd256: the Gluon forward only (training runs the Triton backward)
+    if ga.tile_dim(q.shape[-1], gb.HEAD_DIMS) is None:  # past hd128: the Gluon forward only (training runs the
+        # Triton backward)
         REPORT.append(dict(case=name, out_rel=out_rel, lse_abs=lse_err))
         assert out_rel < 1e-2 and lse_err < 2e-3, (name, out_rel, lse_err)
         return
