@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gluon_attention_masked.json")
-HEADS = {64: (32, 32), 128: (32, 8), 256: (16, 8)}  # (query heads, kv heads): GPT-2-like MHA, Llama-3-8B, Gemma-2-9B
+HEADS = {64: (32, 32), 96: (32, 32), 128: (32, 8), 256: (16, 8)}  # (query heads, kv heads): GPT-2-like MHA,
+# GPT-NeoX-20B-like (head dim 96, padded to 128 by the Gluon kernels), Llama-3-8B, Gemma-2-9B
 TOKENS = 16384
 KINDS = ("packed", "padded", "window", "softcap", "alibi")
 WINDOW = 4095  # keys before the query: Mistral's and Gemma-2's sliding window of 4096
