@@ -219,14 +219,12 @@ if HAS_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _pass_turn(turn_ptr, also_ptr=None):
-        """Hands the turn on (of `also_ptr` too, if given): once every thread's dQ adds are issued (the barrier), one
-        thread's release increment (cumulative: it publishes what the barrier ordered before it)."""
+    def _pass_turn(turn_ptr):
+        """Hands the turn on: once every thread's dQ adds are issued (the barrier), one thread's release increment
+        (cumulative: it publishes what the barrier ordered before it)."""
         _barrier()
         lanes = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
         gl.atomic_add(turn_ptr + lanes * 0, gl.full_like(lanes, 1), mask=lanes == 0, sem="release", scope="gpu")
-        if also_ptr is not None:
-            gl.atomic_add(also_ptr + lanes * 0, gl.full_like(lanes, 1), mask=lanes == 0, sem="release", scope="gpu")
 
     @gluon.jit
     def _visible_span(km_keys, km_plane, keys, seq_q, seq_k, diag, diag_lo, CAUSAL: gl.constexpr,
@@ -469,7 +467,6 @@ if HAS_GLUON:
         # dQ: one vector load and one vector atomic) a thread
         RED_COLS: gl.constexpr = 16
         red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [queries, head dim]
-        prev_turn = dq_turns  # (DETERMINISTIC, CAUSAL) the previous tile's counter, handed on with the next
         for it in range(0, n_iters):
             nxt = it + STAGES - 1
             if nxt < n_iters:
@@ -496,20 +493,10 @@ if HAS_GLUON:
                 else:
                     d_mask = q_mask
                 gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=d_mask, sem="relaxed")
-            if DETERMINISTIC:
-                if CAUSAL:  # the turns of two tiles at once, one wait for the atomics to land per two tiles (the
-                    # next block in a tile's order is two tiles ahead of this one: 2 x 64 queries a 128-key block);
-                    # measured within 2% of one at a time (docs/attention.md, session 22)
-                    if it % 2 == 1:
-                        _pass_turn(prev_turn, turn_ptr)
-                    prev_turn = turn_ptr
-                else:  # the blocks run in step: a late handoff would add up along the order
-                    _pass_turn(turn_ptr)
+            if DETERMINISTIC:  # at once: a late handoff adds up along the order (docs/attention.md, session 22)
+                _pass_turn(turn_ptr)
             mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
             h, mt = _next_tile(h, mt, m_start, m_end)
-        if DETERMINISTIC and CAUSAL:
-            if n_iters % 2 == 1:
-                _pass_turn(prev_turn)
 
     @gluon.jit
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dq_turns, dk_ptr, dv_ptr,
