@@ -491,7 +491,7 @@ def _recorded_gluon_backward(monkeypatch):
 
 def test_gluon_backward_hands_over_to_triton_when_torch_asks_for_determinism(monkeypatch, request):
     # under torch.use_deterministic_algorithms(True) the Gluon backward's ordered dQ adds lose to the (atomic-free)
-    # Triton backward without a soft-cap: Triton runs, on the Gluon forward's out and lse
+    # Triton backward at hd64 tiles without a soft-cap: Triton runs, on the Gluon forward's out and lse
     from hf_fastpath.attention import ops
 
     ran = _recorded_gluon_backward(monkeypatch)
@@ -513,13 +513,15 @@ def test_gluon_backward_hands_over_to_triton_when_torch_asks_for_determinism(mon
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
 
 
-def test_soft_capped_gluon_backward_runs_deterministic_when_torch_asks(monkeypatch, request):
-    # with a soft-cap the Gluon backward in its deterministic mode beats the Triton one: it runs, asked for it
+@pytest.mark.parametrize("d, softcap", [(32, 20.0), (72, 0.0)])
+def test_gluon_backward_runs_deterministic_when_torch_asks(monkeypatch, request, d, softcap):
+    # with a soft-cap, or past hd64 (hd128 tiles), the Gluon backward in its deterministic mode beats the Triton one:
+    # it runs, asked for it
     from hf_fastpath.attention import ops
 
     ran = _recorded_gluon_backward(monkeypatch)
-    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=32))
-    params = AttentionParams(causal=True, softmax_scale=0.3, softcap=20.0)
+    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=1, s=9, hq=4, hkv=2, d=d))
+    params = AttentionParams(causal=True, softmax_scale=0.3, softcap=softcap)
     for _ in range(2):
         out, _ = ops.gluon_attn(q, k, v, params)
         assert all((g == 0).all() for g in torch.autograd.grad(out.sum(), (q, k, v)))

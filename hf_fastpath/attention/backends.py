@@ -116,8 +116,8 @@ def _import(module: str):
 @torch.compiler.assume_constant_result
 def _deterministic() -> bool:
     # torch.use_deterministic_algorithms(True) (Transformers' enable_full_determinism sets it): FlashAttention's
-    # backward then runs its deterministic variant; so does our Gluon backward where it still wins (soft-capped
-    # calls), else it hands over to the Triton one (`ops._gluon_backward`)
+    # backward then runs its deterministic variant; so does our Gluon backward where it still wins (hd128 tiles and
+    # soft-capped calls), else it hands over to the Triton one (`ops._gluon_backward`)
     return torch.are_deterministic_algorithms_enabled()
 
 
@@ -352,7 +352,8 @@ class GluonBackend:
     not, with or without a padding mask or packed segments, a sliding window, a soft-cap or ALiBi, and varlen calls
     whose queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table
     says it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)` its backward adds dQ
-    in a fixed order with a soft-cap, and is the Triton one otherwise (faster there: `ops._gluon_backward`)."""
+    in a fixed order at hd128 tiles or with a soft-cap, and is the Triton one otherwise (faster there:
+    `ops._gluon_backward`)."""
 
     name = "gluon"
     takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)

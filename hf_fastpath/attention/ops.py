@@ -158,12 +158,12 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, c
 
     masks = _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap)
     triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
-    # torch.use_deterministic_algorithms(True): the Gluon dQ tiles then meet in a fixed order, which costs 0.55-0.96x
-    # its default speed; that beats the (atomic-free) Triton backward only with a soft-cap, 1.26-1.45x, elsewhere it
-    # is 0.62-0.91x (benchmarks/results/gluon_attention_deterministic.json). Not supported: e.g. Sq * Hq * D past
-    # 32-bit dQ offsets
+    # torch.use_deterministic_algorithms(True): the Gluon dQ tiles then meet in a fixed order, 0.75-0.98x its default
+    # speed. Against the (atomic-free) Triton backward that is 0.95-1.78x at hd128 tiles (1.06-1.16x but for causal
+    # 16k, 0.95x) and with a soft-cap (1.29x at hd64), 0.82-1.13x at hd64 otherwise, where Triton stays
+    # (benchmarks/results/gluon_attention_deterministic.json). Not supported: e.g. Sq * Hq * D past 32-bit dQ offsets
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if not supported(dout, q, k, v, causal) or (deterministic and not softcap > 0):
+    if not supported(dout, q, k, v, causal) or (deterministic and q.shape[-1] <= 64 and not softcap > 0):
         return triton_call()
     return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, deterministic=deterministic,
                                     **masks), triton_call)
