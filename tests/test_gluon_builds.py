@@ -80,3 +80,23 @@ def test_alibi_arguments_and_mode():
         ga.alibi_args(torch.ones(4), 3, 2, torch.device("cpu"))
     assert [ga.alibi_mode(None, 0), ga.alibi_mode(slopes, 0), ga.alibi_mode(slopes, -1),
             ga.alibi_mode(slopes, 5)] == [0, 2, 1, 1]
+
+
+def test_tile_dims_and_views_of_padded_head_dims():
+    # a head dim the tiles lack runs at the next width through a 3-D [heads, rows, D] view: the element a TMA box
+    # reads at (h * col_h, row_b * b + row_h * h + s, d) is x[b, s, h, d], for [B, S, H, D] and [B, H, S, D] memory
+    import torch
+
+    assert [ga.tile_dim(d) for d in (64, 72, 96, 128, 136, 192, 256)] == [64, 128, 128, 128, 256, 256, 256]
+    assert [ga.tile_dim(d) for d in (32, 48, 100, 264)] == [None] * 4
+    assert ga.tile_dim(192, (64, 128)) is None and ga.tile_dim(96, (64, 128)) == 128  # the backward's widths
+    B, S, H, D = 2, 5, 3, 96
+    for bhsd in (False, True):
+        x = torch.arange(B * S * H * D).view(B, H, S, D).transpose(1, 2) if bhsd else \
+            torch.arange(B * S * H * D).view(B, S, H, D)
+        view, (row_b, row_h, col_h) = ga.tile_view(x, 128)
+        assert view.dim() == 3 and view.shape[-1] == D and view.stride(-1) == 1
+        assert all(st * 2 % 16 == 0 for st in view.stride()[:-1])  # TMA: 16-byte strides (bf16)
+        for b, s, h in ((0, 0, 0), (1, 4, 2), (1, 2, 1)):
+            assert torch.equal(view[h * col_h, row_b * b + row_h * h + s], x[b, s, h])
+        assert ga.tile_view(x, D)[0].dim() == 2  # a width the tiles have: the 2-D row view
