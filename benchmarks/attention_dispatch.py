@@ -41,6 +41,7 @@ PREFILL = [  # (head dim, query heads, kv heads, seq lens)
     (64, 16, 16, (1024, 4096, 16384)),
     (256, 16, 8, (1024, 4096, 16384)),
     (96, 32, 32, (1024, 4096, 16384)),  # GPT-NeoX-20B's head dim: the Gluon kernels pad it to 128
+    (80, 32, 32, (1024, 4096, 16384)),  # Pythia-2.8B's (GPT-NeoX), padded to 128 too
 ]
 DECODE = [  # (head dim, query heads, kv heads)
     (128, 32, 8), (128, 32, 32), (64, 16, 16), (256, 16, 8),
