@@ -40,7 +40,7 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
         elif p.name in ("q_desc", "do_desc"):
             sig[p.name] = descriptor_type(dtype, box(cfg.block_m[tile]))
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, box(gb.BLOCK_N))
+            sig[p.name] = descriptor_type(dtype, box(gb.block_n(tile)))
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name == "km_ptr":  # None (a constexpr) without a mask

@@ -117,7 +117,7 @@ def _import(module: str):
 def _deterministic() -> bool:
     # torch.use_deterministic_algorithms(True) (Transformers' enable_full_determinism sets it): FlashAttention's
     # backward then runs its deterministic variant; so does our Gluon backward where it still wins (hd128 tiles and
-    # soft-capped calls), else it hands over to the Triton one (`ops._gluon_backward`)
+    # soft-capped calls up to hd128), else it hands over to the Triton one (`ops._gluon_backward`)
     return torch.are_deterministic_algorithms_enabled()
 
 
@@ -348,12 +348,11 @@ def _gluon_importable() -> bool:
 class GluonBackend:
     """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
     warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256, or a multiple of 8 between them run at the
-    next of those (`tile_dim`; past 128: the Triton backward), causal or
-    not, with or without a padding mask or packed segments, a sliding window, a soft-cap or ALiBi, and varlen calls
+    next of those (`tile_dim`), causal or not, with or without a padding mask or packed segments, a sliding window, a soft-cap or ALiBi, and varlen calls
     whose queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table
     says it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)` its backward adds dQ
-    in a fixed order at hd128 tiles or with a soft-cap, and is the Triton one otherwise (faster there:
-    `ops._gluon_backward`)."""
+    in a fixed order at hd128 tiles or with a soft-cap, and is the Triton one otherwise (faster there, or past hd128
+    the only deterministic one: `ops._gluon_backward`)."""
 
     name = "gluon"
     takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)

@@ -161,9 +161,12 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, c
     # torch.use_deterministic_algorithms(True): the Gluon dQ tiles then meet in a fixed order, 0.75-0.98x its default
     # speed. Against the (atomic-free) Triton backward that is 0.95-1.78x at hd128 tiles (1.06-1.16x but for causal
     # 16k, 0.95x) and with a soft-cap (1.29x at hd64), 0.82-1.13x at hd64 otherwise, where Triton stays
-    # (benchmarks/results/gluon_attention_deterministic.json). Not supported: e.g. Sq * Hq * D past 32-bit dQ offsets
+    # (benchmarks/results/gluon_attention_deterministic.json); past hd128 it has no deterministic mode. Not
+    # supported: e.g. Sq * Hq * D past 32-bit dQ offsets
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if not supported(dout, q, k, v, causal) or (deterministic and q.shape[-1] <= 64 and not softcap > 0):
+    head_dim = q.shape[-1]
+    triton_when_deterministic = head_dim > 128 or (head_dim <= 64 and not softcap > 0)
+    if not supported(dout, q, k, v, causal) or (deterministic and triton_when_deterministic):
         return triton_call()
     return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, deterministic=deterministic,
                                     **masks), triton_call)

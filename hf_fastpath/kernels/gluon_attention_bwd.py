@@ -63,10 +63,9 @@ if HAS_GLUON:
     from .gluon_attention import _barrier, _load_tile, _tile_shape
 
 __all__ = ["gluon_attention_backward", "supported", "HEAD_DIMS", "VARIANTS", "DEFAULT_VARIANTS",
-           "Launch", "launch", "BLOCK_N"]
+           "Launch", "launch", "block_n"]
 
-HEAD_DIMS = (64, 128)  # hd256's dK and dV accumulators alone would take 256 registers a thread
-BLOCK_N = 128  # keys per CTA: two consumer warpgroups of 64 (a wgmma's M)
+HEAD_DIMS = (64, 128, 256)
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers, then moved by setmaxnreg
 WS_REGS = (240, 24)  # setmaxnreg of the second consumer and the loader / reducer; the first gets 3 * 168 - 264 = 240
 
@@ -85,8 +84,14 @@ class Launch(NamedTuple):
 # 14's best. Gone, measured slower: "atomic" (no warp specialization, dQ atomics from the compute warps), "ws"
 # (32-row tiles, partial dQ^T summed by the reducer), a 2- or 4-slot ring at hd64 (within 2% of 3 slots). The table
 # stays for the next experiments.
-VARIANTS = {"split": Launch({64: 64, 128: 64}, {64: 3, 128: 2}, (64, ))}
-DEFAULT_VARIANTS = {64: "split", 128: "split"}
+VARIANTS = {"split": Launch({64: 64, 128: 64, 256: 64}, {64: 3, 128: 2, 256: 2}, (64, ))}
+DEFAULT_VARIANTS = {64: "split", 128: "split", 256: "split"}
+
+
+def block_n(head_dim: int) -> int:
+    """Keys per CTA: two consumer warpgroups of 64 (a wgmma's M) up to hd128; at hd256 both take the same 64 keys
+    and half the head dim each, as dK and dV of 64 keys at all 256 columns would take 256 registers a thread."""
+    return 64 if head_dim > 128 else 128
 
 
 def launch(variant: str) -> Launch:
@@ -96,12 +101,13 @@ def launch(variant: str) -> Launch:
 
 
 def shared_bytes(head_dim: int, variant: str) -> int:
-    """16-bit tiles of one CTA (K, V, the Q/dO ring, two dS^T tiles of all its keys) and two fp32 dQ tiles, plus 1 KB
-    for barriers and layout conversions."""
+    """16-bit tiles of one CTA (K, V, the Q/dO ring, two dS^T tiles of all its keys) and, up to hd128, two fp32 dQ
+    tiles for the reducer, plus 1 KB for barriers and layout conversions."""
     cfg = launch(variant)
     block_m = cfg.block_m[head_dim]
-    tiles = 2 * (2 * BLOCK_N * head_dim + 2 * cfg.stages[head_dim] * block_m * head_dim + 2 * BLOCK_N * block_m)
-    return tiles + 2 * 4 * block_m * head_dim + 1024
+    bn = block_n(head_dim)
+    tiles = 2 * (2 * bn * head_dim + 2 * cfg.stages[head_dim] * block_m * head_dim + 2 * bn * block_m)
+    return tiles + (2 * 4 * block_m * head_dim if head_dim <= 128 else 0) + 1024
 
 
 if HAS_GLUON:
@@ -252,13 +258,14 @@ if HAS_GLUON:
         return base, gl.where(real, gl.maximum(end - base, 0), 0)
 
     @gluon.jit
-    def _dkdv_step(k_tile, v_tile, q_tile, do_tile, ds_smem, dk, dv, lse2, delta, keys, key_ok, key_base, key_span,
-                   m0, seq_q, diag, qk_scale, cap_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
+    def _dkdv_step(k_tile, v_tile, q_tile, do_tile, q_dk, do_dv, ds_smem, dk, dv, lse2, delta, keys, key_ok, key_base,
+                   key_span, m0, seq_q, diag, qk_scale, cap_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
                    SPANS: gl.constexpr, SOFTCAP: gl.constexpr, alibi_diag=0, alibi_coef=0.0,
                    ALIBI: gl.constexpr = 0):
         """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
-        dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). Returns (dk, dv), retired. Visible:
-        key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with SPANS (a mask or a window) the queries
+        dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). q_dk / do_dv: the B operands of dK's
+        and dV's wgmmas, the tiles' columns of this warpgroup's dK / dV (all of q_tile / do_tile but at hd256).
+        Returns (dk, dv), retired. Visible: key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with SPANS (a mask or a window) the queries
         key_base..key_base+key_span-1 of each key instead (`_visible_span`). SOFTCAP: scores softcap * tanh(s *
         cap_scale) with qk_scale = softcap * log2(e); dS^T gains the factor 1 - tanh^2. ALiBi (`_fwd.alibi_mode`):
         scores - alibi_coef * |query + alibi_diag - key| in the units of S^T (after the cap), in the accumulator's
@@ -311,7 +318,7 @@ if HAS_GLUON:
         # dP^T - delta comes out of the wgmma and delta is not live at the register peak
         dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
                             st_zero - gl.expand_dims(gl.convert_layout(delta, col_layout), 0), is_async=True)
-        dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
+        dv = warpgroup_mma(pt16, do_dv, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
         dst = gl.convert_layout(pt16, st_layout).to(gl.float32) * dpt
         if SOFTCAP:
@@ -319,7 +326,7 @@ if HAS_GLUON:
         dst16 = dst.to(dtype)
         ds_smem.store(dst16)
         dst16 = gl.convert_layout(dst16, a_layout)
-        dk = warpgroup_mma(dst16, q_tile, dk, is_async=True)
+        dk = warpgroup_mma(dst16, q_dk, dk, is_async=True)
         fence_async_shared()
         _barrier()  # dS^T of every warp is in shared memory before the dQ wgmma reads it
         # retire dV / dK (and free P^T, dS^T) before dQ's accumulator goes live: fewer registers at the peak
@@ -327,21 +334,38 @@ if HAS_GLUON:
         return dk, dv
 
     @gluon.jit
-    def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, key0, seq_k, num_kv_heads, sm_scale, DIM: gl.constexpr):
-        """dK (scaled by softmax_scale) and dV of keys key0.. into [B, Sk, Hkv, DIM], rows past Sk and the tile's
-        columns past DIM (a padded head dim) masked."""
+    def _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, key0, seq_k, num_kv_heads, sm_scale, COL0: gl.constexpr,
+                    DIM: gl.constexpr):
+        """dK (scaled by softmax_scale) and dV of keys key0.. and head-dim columns COL0.. into [B, Sk, Hkv, DIM], rows
+        past Sk and columns past DIM (a padded head dim) masked."""
         ROWS: gl.constexpr = dk.type.shape[0]
-        HEAD_DIM: gl.constexpr = dk.type.shape[1]
+        COLS: gl.constexpr = dk.type.shape[1]
         layout: gl.constexpr = dk.type.layout
-        d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        d_cols = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
         k_rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         kv_off = ((b * seq_k + k_rows).to(gl.int64) * num_kv_heads + hk) * DIM
         kv_mask = gl.expand_dims(k_rows < seq_k, 1)
-        if DIM < HEAD_DIM:
+        if COL0 + COLS > DIM:
             kv_mask = kv_mask & gl.expand_dims(d_cols < DIM, 0)
         kv_ptrs = gl.expand_dims(kv_off, 1) + gl.expand_dims(d_cols, 0)
         gl.store(dk_ptr + kv_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
         gl.store(dv_ptr + kv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+    @gluon.jit
+    def _add_dq(dq, dq_ptr, b, h, m0, seq_q, num_heads, COL0: gl.constexpr, DIM: gl.constexpr):
+        """Adds dQ_i [queries m0.., head-dim columns COL0..] into the fp32 [B, Sq, Hq, DIM] buffer from the
+        accumulator (relaxed atomics, two consecutive columns a vector), rows past Sq and columns past DIM masked."""
+        ROWS: gl.constexpr = dq.type.shape[0]
+        COLS: gl.constexpr = dq.type.shape[1]
+        layout: gl.constexpr = dq.type.layout
+        rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * DIM
+        offs = gl.expand_dims(rows * (num_heads * DIM), 1) + gl.expand_dims(cols, 0)  # int32 from (batch, head)'s base
+        mask = gl.expand_dims(rows < seq_q, 1)
+        if COL0 + COLS > DIM:
+            mask = mask & gl.expand_dims(cols < DIM, 0)
+        gl.atomic_add(base + offs, dq, mask=mask, sem="relaxed")
 
     @gluon.jit
     def _dq_piece(kT, ds_all, dq_tile, c: gl.constexpr, layout: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -354,7 +378,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
-                  dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0, n0, m_start, m_end,
+                  dq_empty, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0, n0, m_start, m_end,
                   n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag, diag_lo, cap_scale,
                   slopes_ptr, slopes_b, alibi_diag, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr,
@@ -362,19 +386,27 @@ if HAS_GLUON:
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
         both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
         split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
-        iteration's parity), so that no partial sums need adding and no compute warp waits on an atomic."""
+        iteration's parity), so that no partial sums need adding and no compute warp waits on an atomic.
+        hd256 (SPLIT): both warpgroups take the CTA's 64 keys, and warpgroup WG columns 128 WG.. of dK, dV and dQ_i.
+        Each computes all of S^T and dP^T (40% more MMA work than needed, for no hand-over between the warpgroups:
+        they run out of step, one's softmax under the other's wgmmas) and adds its dQ_i columns from its registers,
+        as the shared memory holds no fp32 dQ tile beside K, V and two Q / dO slots."""
         ROWS: gl.constexpr = 64
+        SPLIT: gl.constexpr = HEAD_DIM > 128
+        COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM  # of dK, dV (and dQ_i at hd256)
+        COL0: gl.constexpr = WG * COLS if SPLIT else 0
+        KEY0: gl.constexpr = 0 if SPLIT else WG * ROWS
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])  # S^T, dP^T, dQ^T
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])  # dK, dV
+                                                            instr_shape=[16, COLS, 16])  # dK, dV (dQ_i at hd256)
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # along keys
         # lse2 / delta (this and the next iteration's) wait in a compact layout: a register each instead of
         # BLOCK_M / 4; `_dkdv_step` spreads them over S^T's columns only when it needs them
         row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        k_w = k_smem.slice(WG * ROWS, ROWS, dim=0)
-        v_w = v_smem.slice(WG * ROWS, ROWS, dim=0)
-        keys = n0 + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
+        k_w = k_smem.slice(KEY0, ROWS, dim=0)
+        v_w = v_smem.slice(KEY0, ROWS, dim=0)
+        keys = n0 + KEY0 + gl.arange(0, ROWS, layout=key_layout)
         key_ok = gl.expand_dims(keys < seq_k, 1)
         SPANS: gl.constexpr = MASK_MODE != 0 or WINDOW
         if SPANS:  # each key's visible queries as one interval base..base+span-1 (see `_visible_span`)
@@ -387,8 +419,8 @@ if HAS_GLUON:
         else:
             key_base = None
             key_span = None
-        dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
-        dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, kv_layout)
+        dk = gl.zeros([ROWS, COLS], gl.float32, kv_layout)
+        dv = gl.zeros([ROWS, COLS], gl.float32, kv_layout)
         h = h0
         mt = m_start
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, n_iters > 0, BLOCK_M,
@@ -413,32 +445,54 @@ if HAS_GLUON:
             q_tile = q_smem.index(slot)
             do_tile = do_smem.index(slot)
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            ds_all = ds_smem.index(it % 2)  # [keys of both warpgroups, queries]: the other warpgroup reads it too
-            ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
-            dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, ds_w, dk, dv, lse2, delta, keys, key_ok, key_base,
-                                key_span, mt * BLOCK_M, seq_q, diag, qk_scale, cap_scale, st_layout, CAUSAL, SPANS,
-                                SOFTCAP, alibi_diag, alibi_coef, ALIBI)
+            if SPLIT:  # this warpgroup's own dS^T, and its columns of Q_i / dO_i for dK / dV
+                ds_w = ds_smem.index(WG)
+                q_dk = q_tile.slice(COL0, COLS, dim=1)
+                do_dv = do_tile.slice(COL0, COLS, dim=1)
+            else:
+                ds_all = ds_smem.index(it % 2)  # [keys of both warpgroups, queries]: the other warpgroup reads it too
+                ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
+                q_dk = q_tile
+                do_dv = do_tile
+            dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, q_dk, do_dv, ds_w, dk, dv, lse2, delta, keys, key_ok,
+                                key_base, key_span, mt * BLOCK_M, seq_q, diag, qk_scale, cap_scale, st_layout, CAUSAL,
+                                SPANS, SOFTCAP, alibi_diag, alibi_coef, ALIBI)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
-            dslot = it % 2
-            # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after this
-            # barrier's next phase, which the other warpgroup completes only past this iteration's dQ wgmma
-            mbarrier.arrive(ds_ready, count=1)
-            mbarrier.wait(ds_ready, it & 1)
-            # into shared memory once the reducer has taken what this slot held two iterations ago
-            mbarrier.wait(dq_empty.index(dslot), ((it // 2) & 1) ^ 1)
-            kT = k_smem.permute((1, 0))
-            if HEAD_DIM == 128:
-                _dq_piece(kT, ds_all, dq_smem.index(dslot), WG, st_layout, BLOCK_M)
-            elif it % 2 == WG:
-                _dq_piece(kT, ds_all, dq_smem.index(dslot), 0, st_layout, BLOCK_M)
-            mbarrier.arrive(dq_full.index(dslot), count=1)  # (Gluon syncs the warpgroup before an arrive)
+            if SPLIT:  # dQ_i [queries, columns COL0..] = dS . K over the 64 keys, added from the accumulator
+                dq = warpgroup_mma(ds_w.permute((1, 0)), k_smem.slice(COL0, COLS, dim=1),
+                                   gl.zeros([BLOCK_M, COLS], gl.float32, kv_layout), use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                _barrier()  # every warp's share of that wgmma has read dS^T before the next iteration rewrites it
+                _add_dq(dq, dq_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, COL0, DIM)
+            else:
+                _share_dq(k_smem, ds_all, dq_smem, ds_ready, dq_full, dq_empty, it, st_layout, WG, HEAD_DIM,
+                          BLOCK_M)
             lse2 = lse2_next
             delta = delta_next
             alibi_coef = alibi_next
             h = h_next
             mt = mt_next
 
-        _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0 + WG * ROWS, seq_k, num_kv_heads, sm_scale, DIM)
+        _store_dkdv(dk, dv, dk_ptr, dv_ptr, b, hk, n0 + KEY0, seq_k, num_kv_heads, sm_scale, COL0, DIM)
+
+    @gluon.jit
+    def _share_dq(k_smem, ds_all, dq_smem, ds_ready, dq_full, dq_empty, it, st_layout: gl.constexpr,
+                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Up to hd128: once both warpgroups' dS^T of iteration `it` are in shared memory, this warpgroup's share of
+        dQ_i into the reducer's slot (`_consumer`)."""
+        dslot = it % 2
+        # both dS^T are in (each fenced). Slot it % 2 of dS^T is next written in iteration it + 2, after this
+        # barrier's next phase, which the other warpgroup completes only past this iteration's dQ wgmma
+        mbarrier.arrive(ds_ready, count=1)
+        mbarrier.wait(ds_ready, it & 1)
+        # into shared memory once the reducer has taken what this slot held two iterations ago
+        mbarrier.wait(dq_empty.index(dslot), ((it // 2) & 1) ^ 1)
+        kT = k_smem.permute((1, 0))
+        if HEAD_DIM == 128:
+            _dq_piece(kT, ds_all, dq_smem.index(dslot), WG, st_layout, BLOCK_M)
+        elif it % 2 == WG:
+            _dq_piece(kT, ds_all, dq_smem.index(dslot), 0, st_layout, BLOCK_M)
+        mbarrier.arrive(dq_full.index(dslot), count=1)  # (Gluon syncs the warpgroup before an arrive)
 
     @gluon.jit
     def _loader_reducer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready, ready,
@@ -448,8 +502,8 @@ if HAS_GLUON:
                         do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
                         DETERMINISTIC: gl.constexpr, DIM: gl.constexpr):
-        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and the
-        dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer. DETERMINISTIC: the key
+        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and, up
+        to hd128, the dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer. DETERMINISTIC: the key
         blocks add into each (batch, head, query tile) in a fixed order (`_dq_turn`), one counter per tile in
         dq_turns, so the fp32 sums are bitwise repeatable. dQ is [B, Sq, Hq, DIM] (DIM <= HEAD_DIM, the tiles')."""
         BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
@@ -478,28 +532,29 @@ if HAS_GLUON:
                 mbarrier.wait(empty.index(nxt % STAGES), ((nxt // STAGES) & 1) ^ 1)
                 _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, b, h_ld, mt_ld * BLOCK_M, q_row_b,
                           q_row_h, q_col_h, do_row_b, do_row_h, do_col_h)
-            slot = it % 2
-            mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
-            queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, red_layout))
-            q_off = gl.expand_dims(queries * (num_heads * DIM), 1)  # int32, from (batch, head)'s base
-            q_mask = gl.expand_dims(queries < seq_q, 1)
-            base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * DIM
-            if DETERMINISTIC:
-                turn_ptr = dq_turns + (b * num_heads + h) * gl.cdiv(seq_q, BLOCK_M) + mt
-                _wait_turn(turn_ptr, _dq_turn(n0 // BLOCK_N, mt, b, seq_q, seq_k, km_ptr, km_b, km_plane, diag,
-                                              diag_lo, BLOCK_M, BLOCK_N, CAUSAL, MASK_MODE, WINDOW))
-            for r in gl.static_range((DIM + RED_COLS - 1) // RED_COLS):  # none of the padded columns' pieces
-                dq = dq_smem.index(slot).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
-                d = r * RED_COLS + gl.arange(0, RED_COLS, layout=gl.SliceLayout(0, red_layout))
-                if DIM % RED_COLS:
-                    d_mask = q_mask & gl.expand_dims(d < DIM, 0)
-                else:
-                    d_mask = q_mask
-                gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=d_mask, sem="relaxed")
-            if DETERMINISTIC:  # at once: a late handoff adds up along the order (docs/attention.md, session 22)
-                _pass_turn(turn_ptr)
-            mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
-            h, mt = _next_tile(h, mt, m_start, m_end)
+            if HEAD_DIM <= 128:  # (at hd256 the consumers add their dQ_i themselves)
+                slot = it % 2
+                mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
+                queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, red_layout))
+                q_off = gl.expand_dims(queries * (num_heads * DIM), 1)  # int32, from (batch, head)'s base
+                q_mask = gl.expand_dims(queries < seq_q, 1)
+                base = dq_ptr + (b.to(gl.int64) * seq_q * num_heads + h) * DIM
+                if DETERMINISTIC:
+                    turn_ptr = dq_turns + (b * num_heads + h) * gl.cdiv(seq_q, BLOCK_M) + mt
+                    _wait_turn(turn_ptr, _dq_turn(n0 // BLOCK_N, mt, b, seq_q, seq_k, km_ptr, km_b, km_plane, diag,
+                                                  diag_lo, BLOCK_M, BLOCK_N, CAUSAL, MASK_MODE, WINDOW))
+                for r in gl.static_range((DIM + RED_COLS - 1) // RED_COLS):  # none of the padded columns' pieces
+                    dq = dq_smem.index(slot).slice(r * RED_COLS, RED_COLS, dim=1).load(red_layout)
+                    d = r * RED_COLS + gl.arange(0, RED_COLS, layout=gl.SliceLayout(0, red_layout))
+                    if DIM % RED_COLS:
+                        d_mask = q_mask & gl.expand_dims(d < DIM, 0)
+                    else:
+                        d_mask = q_mask
+                    gl.atomic_add(base + q_off + gl.expand_dims(d, 0), dq, mask=d_mask, sem="relaxed")
+                if DETERMINISTIC:  # at once: a late handoff adds up along the order (docs/attention.md, session 22)
+                    _pass_turn(turn_ptr)
+                mbarrier.arrive(dq_empty.index(slot), count=1)  # every warp has read the slot (synced before arrive)
+                h, mt = _next_tile(h, mt, m_start, m_end)
 
     @gluon.jit
     def _attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_ptr, dq_turns, dk_ptr, dv_ptr,
@@ -511,7 +566,8 @@ if HAS_GLUON:
                          WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
                          DETERMINISTIC: gl.constexpr = False, DIM: gl.constexpr = 0):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
-        dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`). Masks as in the forward (MASK_MODE 1: km_ptr a
+        dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`); at hd256 64 keys, the head dim split between the
+        consumers, which add dQ themselves. Masks as in the forward (MASK_MODE 1: km_ptr a
         uint8 key mask, 2: the segment table; 0: None); ALiBi as in the forward. DETERMINISTIC: dq_turns, zeroed
         int32 [B, Hq, query tiles], orders the dQ adds (`_loader_reducer`); else unused (None). DIM: the tensors'
         head dim where the tiles are wider (3-D descriptors of `_fwd.tile_view`), else 0."""
@@ -529,11 +585,15 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
-        # dS^T [iteration % 2, all keys, queries] and dQ_i in fp32 [iteration % 2, queries, head dim]
+        # dS^T [iteration % 2, all keys, queries] (hd256: [warpgroup, keys, queries]) and, up to hd128, dQ_i in fp32
+        # [iteration % 2, queries, head dim]
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
+        if HEAD_DIM > 128:  # no room for fp32 dQ tiles (`_consumer`): a stand-in, never read
+            dq_smem = ds_smem
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -550,12 +610,14 @@ if HAS_GLUON:
             mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
-                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
+                         dq_full, dq_empty, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b,
+                         hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
                          diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 0, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
                          KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
-                         dq_full, dq_empty, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0,
+                         dq_full, dq_empty, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b,
+                         hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
                          diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 1, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
                          KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM)),
@@ -631,6 +693,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
     tile = _fwd.tile_dim(q.shape[-1], HEAD_DIMS)
+    if deterministic and tile > 128:
+        raise ValueError(f"deterministic=True is not supported at head dim {q.shape[-1]} (its dQ is added from two "
+                         f"warpgroups in arrival order); use flash_attention_backward, which is deterministic")
     variant = variant or DEFAULT_VARIANTS[tile]
     cfg = launch(variant)
     from .flash_attention import _bwd_preprocess, _strides4  # the plain-Triton preprocess (delta, lse2)
@@ -667,14 +732,15 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     block_m = cfg.block_m[tile]
     q_desc = _fwd.tile_descriptor(q2, block_m, tile, elem)
     do_desc = _fwd.tile_descriptor(do2, block_m, tile, elem)
-    k_desc = _fwd.tile_descriptor(k2, BLOCK_N, tile, elem)
-    v_desc = _fwd.tile_descriptor(v2, BLOCK_N, tile, elem)
+    bn = block_n(tile)
+    k_desc = _fwd.tile_descriptor(k2, bn, tile, elem)
+    v_desc = _fwd.tile_descriptor(v2, bn, tile, elem)
 
     dq_acc = torch.zeros(B, Sq, Hq, D, device=q.device, dtype=torch.float32)
     # one turn counter per (batch, head, query tile)
     dq_turns = torch.zeros(B, Hq, triton.cdiv(Sq, block_m), device=q.device, dtype=torch.int32) \
         if deterministic else None
-    grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
+    grid = (triton.cdiv(Sk, bn), B * Hkv)
     kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dq_turns, dk, dv, km, km_b, km_plane, Sq, Sk,
                  Hq, Hkv, Hq // Hkv,
                  *q_map, *k_map, *v_map, *do_map, qk_scale, softmax_scale, Sk - Sq + max(right, 0), Sk - Sq - left,

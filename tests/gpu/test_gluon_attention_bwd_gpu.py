@@ -1,4 +1,4 @@
-"""GPU checks of the Gluon Hopper attention backward (`gluon_attention_bwd`, not yet dispatched) against float64
+"""GPU checks of the Gluon Hopper attention backward (`gluon_attention_bwd`) against float64
 (run on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_bwd_gpu.py`). Skipped without an sm_90
 GPU. The yardstick is our plain-Triton backward (`flash_attention_backward`) on the same out / lse: the Gluon
 kernel's relative error per gradient must be within 2x of it (plus a small floor).
@@ -49,7 +49,7 @@ HEADS = [(4, 4), (32, 8)]  # MHA, GQA 32/8
 
 
 @pytest.mark.parametrize("variant", list(gb.VARIANTS))
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
 @pytest.mark.parametrize("s", LENGTHS)
@@ -61,7 +61,7 @@ def test_matches_float64_reference(s, heads, causal, d, variant):
 
 
 @pytest.mark.parametrize("variant", list(gb.VARIANTS))
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("sq, sk", [(17, 1000), (1000, 129), (700, 130), (129, 2049), (2049, 1000), (1, 17)])
 def test_sq_ne_sk_causal(sq, sk, d, variant):
     """Causal aligned bottom-right; with Sq > Sk the first Sq - Sk queries see no key (lse -inf): their dQ is
@@ -76,7 +76,7 @@ def test_sq_ne_sk_causal(sq, sk, d, variant):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bhsd", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dtypes_and_layouts(dtype, bhsd, d):
     _check(f"dtype={dtype} bhsd={bhsd} d={d}", *_inputs(2, 300, 333, 8, 2, d, dtype=dtype, bhsd=bhsd, seed=2),
            True)
@@ -116,3 +116,7 @@ def test_rejects_unsupported_inputs_with_a_clear_error():
     with pytest.raises(ValueError, match="bfloat16 or all float16"):
         gb.gluon_attention_backward(dout.half(), q, k, v, out, lse)
     assert gb.supported(dout, q, k, v) and not gb.supported(dout.float(), q.float(), k.float(), v.float())
+    q, k, v, dout = _inputs(1, 16, 16, 4, 4, 256)
+    out, lse = ga.gluon_attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="deterministic=True is not supported at head dim 256"):
+        gb.gluon_attention_backward(dout, q, k, v, out, lse, deterministic=True)

@@ -1,5 +1,5 @@
 """GPU checks of the Gluon attention kernels at head dims they pad to their next tile width (`ga.tile_dim`: 72-120
-run as 128, 136-248 as 256, forward and, up to 128, backward) against float64, with the checks of
+run as 128, 136-248 as 256, forward and backward) against float64, with the checks of
 `test_gluon_attention_masks_gpu.py` (out, lse, rows that see no key, gradients within 2x our Triton backward's
 error). Run on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_gluon_attention_head_dims_gpu.py`.
 
