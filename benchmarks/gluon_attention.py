@@ -137,15 +137,15 @@ def _bwd_name(variant):
 
 
 def bench_backward(head_dims, seqs, variants):
-    """Backward only: the Gluon backward and our Triton backward on the same out / lse, and cuDNN's backward as
-    (forward + backward) - forward through autograd. FLOPs = 2.5x the forward's."""
+    """Backward only: the Gluon backward and our Triton backward on the same out / lse, and SDPA's cuDNN and FLASH
+    (FA2) backwards as (forward + backward) - forward through autograd. FLOPs = 2.5x the forward's."""
     from hf_fastpath.kernels.flash_attention import flash_attention_backward
     from hf_fastpath.kernels.gluon_attention import gluon_attention_forward
     from hf_fastpath.kernels.gluon_attention_bwd import DEFAULT_VARIANTS, gluon_attention_backward
 
     names = [_bwd_name(n) for n in variants]
 
-    cudnn = implementations()["sdpa_cudnn"]
+    sdpa = {name: implementations()[name] for name in ("sdpa_cudnn", "sdpa_flash")}
     rows = []
     for d, h, causal, s, b in _shapes(head_dims, seqs):
         q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -156,23 +156,26 @@ def bench_backward(head_dims, seqs, variants):
                    **{_bwd_name(n): _timed(lambda n=n: gluon_attention_backward(do, q, k, v, out, lse, causal=causal,
                                                                                 variant=n), fl) for n in variants},
                    triton=_timed(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal), fl))
-        both = _timed(lambda: torch.autograd.grad(cudnn(qg, kg, vg, causal), (qg, kg, vg), do), fl)
-        fwd = _timed(lambda: cudnn(q, k, v, causal), fl)
-        if "ms" in both and "ms" in fwd:
-            ms = both["ms"] - fwd["ms"]
-            row["sdpa_cudnn"] = dict(ms=ms, tflops=fl / ms * 1e-9, fwd_bwd_ms=both["ms"])
-        else:
-            row["sdpa_cudnn"] = dict(error=both.get("error") or fwd.get("error"))
+        for peer, fn in sdpa.items():
+            both = _timed(lambda fn=fn: torch.autograd.grad(fn(qg, kg, vg, causal), (qg, kg, vg), do), fl)
+            fwd = _timed(lambda fn=fn: fn(q, k, v, causal), fl)
+            if "ms" in both and "ms" in fwd:
+                ms = both["ms"] - fwd["ms"]
+                row[peer] = dict(ms=ms, tflops=fl / ms * 1e-9, fwd_bwd_ms=both["ms"])
+            else:
+                row[peer] = dict(error=both.get("error") or fwd.get("error"))
         if DEFAULT_VARIANTS[d] in variants:  # "gluon": what gluon_attention_backward runs by default
             row["gluon"] = row[_bwd_name(DEFAULT_VARIANTS[d])]
         for name in names + ["triton"] + (["gluon"] if "gluon" in row else []):
-            if "ms" in row[name] and "ms" in row["sdpa_cudnn"]:
-                row[f"{name}_vs_cudnn"] = row["sdpa_cudnn"]["ms"] / row[name]["ms"]
+            for peer, short in (("sdpa_cudnn", "cudnn"), ("sdpa_flash", "flash")):
+                if "ms" in row[name] and "ms" in row[peer]:
+                    row[f"{name}_vs_{short}"] = row[peer]["ms"] / row[name]["ms"]
         rows.append(row)
         _log(f"bwd hd{d} S={s} {'causal' if causal else 'full'} "
              + "  ".join(f"{n} {row[n].get('tflops', float('nan')):6.1f}"
-                         for n in names + ["triton", "sdpa_cudnn"])
-             + f"  gluon x cuDNN {row.get('gluon_vs_cudnn', float('nan')):.2f}")
+                         for n in names + ["triton", "sdpa_cudnn", "sdpa_flash"])
+             + f"  gluon x cuDNN {row.get('gluon_vs_cudnn', float('nan')):.2f}"
+             + f"  x FA2 {row.get('gluon_vs_flash', float('nan')):.2f}")
     return rows
 
 
