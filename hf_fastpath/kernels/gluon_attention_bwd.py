@@ -9,7 +9,9 @@ queries shrinks) and soft-caps (tanh recomputed from S^T; 1 - tanh^2 waits in th
 registers spilled), gluon_attention_window.json: hd128 fwd+bwd 1.25-1.31x Triton with a 4096 window, 1.40-1.64x
 with a soft-cap. Session 21: ALiBi. Session 22: `deterministic=True` (dQ tiles added in a fixed order, turn counters;
 gluon_attention_deterministic.json: 0.55-0.96x the default, so it beats the Triton backward only with a soft-cap).
-No varlen with different q / k packing, no hd256 (dK + dV alone would take 256 registers a thread).
+Session 24: hd256 (gluon_attention_backward_hd256.json: 1.00-1.16x our Triton backward, 0.88-0.96x FA2, 0.54-0.69x
+cuDNN; windowed / soft-capped fwd+bwd 1.10-1.25x Triton), no deterministic mode there. No varlen with different
+q / k packing.
 
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
   domain with -inf -> +inf so that rows with no visible key get P = 0);
@@ -29,6 +31,10 @@ No varlen with different q / k packing, no hd256 (dK + dV alone would take 256 r
   then, both consumers' dS^T in shared memory (mbarrier ds_ready, dS^T double-buffered), dQ_i^T = K^T . dS^T over
   all 128 keys: at hd128 each consumer computes half the head dim, at hd64 the consumer of the iteration's parity
   all of it (FA3's split: the reducer adds one tile, no partial sums), stored untransposed (16-byte reducer reads).
+  hd256: dK and dV of 128 keys at 256 columns would take 256 registers a thread, so a CTA takes 64 keys and each
+  consumer half the head dim of dK, dV and dQ_i. Both compute all of S^T and dP^T (40% more MMA work, but no
+  hand-over: the warpgroups stay out of step), keep their own dS^T, and add their dQ_i columns from the accumulator
+  (8-byte atomics): shared memory has no room for fp32 dQ tiles beside 256-wide K, V and two Q / dO slots.
   lse2 / delta of the next tile are loaded one iteration ahead, one register each (a compact layout), and spread
   over S^T's columns only when used: with the two accumulator folds this is what made 64-row tiles fit hd128.
   Masking is branch-free; queries past Sq get lse2 = +inf and delta 0, so rows of the next sequence that a TMA box
