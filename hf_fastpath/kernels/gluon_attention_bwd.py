@@ -410,8 +410,8 @@ if HAS_GLUON:
         # lse2 / delta (this and the next iteration's) wait in a compact layout: a register each instead of
         # BLOCK_M / 4; `_dkdv_step` spreads them over S^T's columns only when it needs them
         row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        k_w = k_smem.slice(KEY0, ROWS, dim=0)
-        v_w = v_smem.slice(KEY0, ROWS, dim=0)
+        k_w = k_smem.index(0).slice(KEY0, ROWS, dim=0)
+        v_w = v_smem.index(0).slice(KEY0, ROWS, dim=0)
         keys = n0 + KEY0 + gl.arange(0, ROWS, layout=key_layout)
         key_ok = gl.expand_dims(keys < seq_k, 1)
         SPANS: gl.constexpr = MASK_MODE != 0 or WINDOW
@@ -452,6 +452,10 @@ if HAS_GLUON:
             do_tile = do_smem.index(slot)
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             if SPLIT:  # this warpgroup's own dS^T, and its columns of Q_i / dO_i for dK / dV
+                # K and V through a loop-variant index that is always 0 (it >> 30): their wgmma descriptors (16
+                # k-steps each) are then rebuilt each iteration; hoisted out of the loop, they spilled
+                k_op = k_smem.index(it >> 30)
+                v_op = v_smem.index(it >> 30)
                 ds_w = ds_smem.index(WG)
                 q_dk = q_tile.slice(COL0, COLS, dim=1)
                 do_dv = do_tile.slice(COL0, COLS, dim=1)
@@ -465,7 +469,7 @@ if HAS_GLUON:
                                 SPANS, SOFTCAP, alibi_diag, alibi_coef, ALIBI)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
             if SPLIT:  # dQ_i [queries, columns COL0..] = dS . K over the 64 keys, added from the accumulator
-                dq = warpgroup_mma(ds_w.permute((1, 0)), k_smem.slice(COL0, COLS, dim=1),
+                dq = warpgroup_mma(ds_w.permute((1, 0)), k_op.slice(COL0, COLS, dim=1),
                                    gl.zeros([BLOCK_M, COLS], gl.float32, kv_layout), use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                 _barrier()  # every warp's share of that wgmma has read dS^T before the next iteration rewrites it
@@ -493,7 +497,7 @@ if HAS_GLUON:
         mbarrier.wait(ds_ready, it & 1)
         # into shared memory once the reducer has taken what this slot held two iterations ago
         mbarrier.wait(dq_empty.index(dslot), ((it // 2) & 1) ^ 1)
-        kT = k_smem.permute((1, 0))
+        kT = k_smem.index(0).permute((1, 0))
         if HEAD_DIM == 128:
             _dq_piece(kT, ds_all, dq_smem.index(dslot), WG, st_layout, BLOCK_M)
         elif it % 2 == WG:
@@ -514,8 +518,8 @@ if HAS_GLUON:
         dq_turns, so the fp32 sums are bitwise repeatable. dQ is [B, Sq, Hq, DIM] (DIM <= HEAD_DIM, the tiles')."""
         BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _load_tile(k_desc, b * k_row_b + hk * k_row_h + n0, hk * k_col_h, kv_ready, k_smem)
-        _load_tile(v_desc, b * v_row_b + hk * v_row_h + n0, hk * v_col_h, kv_ready, v_smem)
+        _load_tile(k_desc, b * k_row_b + hk * k_row_h + n0, hk * k_col_h, kv_ready, k_smem.index(0))
+        _load_tile(v_desc, b * v_row_b + hk * v_row_h + n0, hk * v_col_h, kv_ready, v_smem.index(0))
         h = h0  # of the iteration being reduced
         mt = m_start
         h_ld = h0  # of the iteration loaded last
@@ -587,8 +591,8 @@ if HAS_GLUON:
                                                             diag, diag_lo, BLOCK_N, BLOCK_M, CAUSAL, MASK_MODE,
                                                             WINDOW, DETERMINISTIC and CAUSAL)
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)  # [1, ...]: see `_consumer`
+        v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
         # dS^T [iteration % 2, all keys, queries] (hd256: [warpgroup, keys, queries]) and, up to hd128, dQ_i in fp32
