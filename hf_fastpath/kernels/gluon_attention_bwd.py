@@ -9,8 +9,8 @@ queries shrinks) and soft-caps (tanh recomputed from S^T; 1 - tanh^2 waits in th
 registers spilled), gluon_attention_window.json: hd128 fwd+bwd 1.25-1.31x Triton with a 4096 window, 1.40-1.64x
 with a soft-cap. Session 21: ALiBi. Session 22: `deterministic=True` (dQ tiles added in a fixed order, turn counters;
 gluon_attention_deterministic.json: 0.55-0.96x the default, so it beats the Triton backward only with a soft-cap).
-Session 24: hd256 (gluon_attention_backward_hd256.json: 1.00-1.16x our Triton backward, 0.88-0.96x FA2, 0.54-0.69x
-cuDNN; windowed / soft-capped fwd+bwd 1.10-1.25x Triton), no deterministic mode there. No varlen with different
+Session 24: hd256 (gluon_attention_backward_hd256.json: 1.11-1.30x our Triton backward, 0.99-1.09x FA2, 0.64-0.77x
+cuDNN; windowed / soft-capped fwd+bwd 1.18-1.48x Triton), no deterministic mode there. No varlen with different
 q / k packing.
 
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
