@@ -346,13 +346,13 @@ def _gluon_importable() -> bool:
 
 
 class GluonBackend:
-    """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`:
-    warp-specialized, TMA, wgmma): dense calls at head dim 64, 128 or 256, or a multiple of 8 between them run at the
-    next of those (`tile_dim`), causal or not, with or without a padding mask or packed segments, a sliding window, a soft-cap or ALiBi, and varlen calls
-    whose queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it where the measured table
-    says it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)` its backward adds dQ
-    in a fixed order at hd128 tiles or with a soft-cap, and is the Triton one otherwise (faster there, or past hd128
-    the only deterministic one: `ops._gluon_backward`)."""
+    """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`: warp-specialized,
+    TMA, wgmma): dense calls at head dim 64, 128 or 256, or a multiple of 8 between them run at the next of those
+    (`tile_dim`), causal or not, with or without a padding mask or packed segments, a sliding window, a soft-cap or
+    ALiBi, and varlen calls whose queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it
+    where the measured table says it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)`
+    its backward adds dQ in a fixed order at hd128 tiles or with a soft-cap, and is the Triton one otherwise (faster
+    there, or past hd128 the only deterministic one: `ops._gluon_backward`)."""
 
     name = "gluon"
     takes_masks = True  # key_mask / segments as they are (no static caches: `unsupported`)

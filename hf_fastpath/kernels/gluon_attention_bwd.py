@@ -268,15 +268,15 @@ if HAS_GLUON:
                    key_span, m0, seq_q, diag, qk_scale, cap_scale, st_layout: gl.constexpr, CAUSAL: gl.constexpr,
                    SPANS: gl.constexpr, SOFTCAP: gl.constexpr, alibi_diag=0, alibi_coef=0.0,
                    ALIBI: gl.constexpr = 0):
-        """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and
-        dS^T left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). q_dk / do_dv: the B operands of dK's
-        and dV's wgmmas, the tiles' columns of this warpgroup's dK / dV (all of q_tile / do_tile but at hd256).
-        Returns (dk, dv), retired. Visible: key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with SPANS (a mask or a window) the queries
-        key_base..key_base+key_span-1 of each key instead (`_visible_span`). SOFTCAP: scores softcap * tanh(s *
+        """One query tile (rows m0..) against one warpgroup's 64 keys: dV += P^T.dO, dK += dS^T.Q (unscaled), and dS^T
+        left in ds_smem for the dQ wgmma (fenced, the warpgroup synced). q_dk / do_dv: the B operands of dK's and dV's
+        wgmmas, the tiles' columns of this warpgroup's dK / dV (all of q_tile / do_tile but at hd256). Returns (dk, dv),
+        retired. Visible: key_ok [keys, 1] (keys < Sk), causality and rows < Sq; with SPANS (a mask or a window) the
+        queries key_base..key_base+key_span-1 of each key instead (`_visible_span`). SOFTCAP: scores softcap * tanh(s *
         cap_scale) with qk_scale = softcap * log2(e); dS^T gains the factor 1 - tanh^2. ALiBi (`_fwd.alibi_mode`):
         scores - alibi_coef * |query + alibi_diag - key| in the units of S^T (after the cap), in the accumulator's
-        start; with ALIBI 2 (no visible key right of the diagonal) a per-key plus a per-query vector, as -lse2 is
-        (no work an element beyond what the start costs anyway)."""
+        start; with ALIBI 2 (no visible key right of the diagonal) a per-key plus a per-query vector, as -lse2 is (no
+        work an element beyond what the start costs anyway)."""
         dtype: gl.constexpr = q_tile.dtype
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
@@ -384,8 +384,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready, dq_full,
-                  dq_empty, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0, n0, m_start, m_end,
-                  n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag, diag_lo, cap_scale,
+                  dq_empty, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b, hk, h0, n0, m_start,
+                  m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag, diag_lo, cap_scale,
                   slopes_ptr, slopes_b, alibi_diag, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr,
                   WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DIM: gl.constexpr):
@@ -512,9 +512,9 @@ if HAS_GLUON:
                         do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
                         DETERMINISTIC: gl.constexpr, DIM: gl.constexpr):
-        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and, up
-        to hd128, the dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer. DETERMINISTIC: the key
-        blocks add into each (batch, head, query tile) in a fixed order (`_dq_turn`), one counter per tile in
+        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and, up to
+        hd128, the dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer. DETERMINISTIC: the
+        key blocks add into each (batch, head, query tile) in a fixed order (`_dq_turn`), one counter per tile in
         dq_turns, so the fp32 sums are bitwise repeatable. dQ is [B, Sq, Hq, DIM] (DIM <= HEAD_DIM, the tiles')."""
         BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -575,12 +575,12 @@ if HAS_GLUON:
                          STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0,
                          WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
                          DETERMINISTIC: gl.constexpr = False, DIM: gl.constexpr = 0):
-        """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader /
-        dQ-reducer warpgroup (see `_consumer`, `_loader_reducer`); at hd256 64 keys, the head dim split between the
-        consumers, which add dQ themselves. Masks as in the forward (MASK_MODE 1: km_ptr a
-        uint8 key mask, 2: the segment table; 0: None); ALiBi as in the forward. DETERMINISTIC: dq_turns, zeroed
-        int32 [B, Hq, query tiles], orders the dQ adds (`_loader_reducer`); else unused (None). DIM: the tensors'
-        head dim where the tiles are wider (3-D descriptors of `_fwd.tile_view`), else 0."""
+        """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader / dQ-reducer
+        warpgroup (see `_consumer`, `_loader_reducer`); at hd256 64 keys, the head dim split between the consumers,
+        which add dQ themselves. Masks as in the forward (MASK_MODE 1: km_ptr a uint8 key mask, 2: the segment table; 0:
+        None); ALiBi as in the forward. DETERMINISTIC: dq_turns, zeroed int32 [B, Hq, query tiles], orders the dQ adds
+        (`_loader_reducer`); else unused (None). DIM: the tensors' head dim where the tiles are wider (3-D descriptors
+        of `_fwd.tile_view`), else 0."""
         BLOCK_M: gl.constexpr = _tile_shape(q_desc.block_type.shape)[0]
         BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
         OUT_DIM: gl.constexpr = DIM if DIM else HEAD_DIM
