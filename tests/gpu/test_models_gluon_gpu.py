@@ -1,7 +1,7 @@
-"""Models with head dim 128 on `attn_implementation="fastpath"` with the Gluon kernels: Llama-shaped for padded and
+"""Models with head dim 128 (and 96, 256) on `attn_implementation="fastpath"` with the Gluon kernels: Llama-shaped for padded and
 packed batches, Mistral-shaped (a sliding window), Gemma-2-27B-shaped (sliding-window layers, soft-capped scores) and
 Falcon with ALiBi (Falcon-RW, BLOOM's scheme), and GPT-NeoX at head dim 96 (GPT-NeoX-20B's, which the Gluon kernels
-pad to 128-wide tiles),
+pad to 128-wide tiles), and Gemma-2 at head dim 256 (Gemma-2-9B's),
 against Transformers' eager attention in float32: logits of the real tokens and every parameter's gradient within 2x
 the error of Transformers' "sdpa" in bfloat16 (eager in bfloat16 for Gemma-2: "sdpa" ignores the soft-cap) plus a
 small floor (run on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_models_gluon_gpu.py`). Skipped without an
@@ -26,12 +26,16 @@ SHAPE = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head
 CONFIGS = {"llama": ("LlamaConfig", {}), "mistral": ("MistralConfig", dict(sliding_window=64)),
            # a small cap, so that it bends random models' scores (the real one is 50)
            "gemma2": ("Gemma2Config", dict(sliding_window=64, attn_logit_softcapping=5.0, query_pre_attn_scalar=128)),
+           # Gemma-2-9B's head dim 256 (the Gluon backward's 64-key, head-dim-split kernel)
+           "gemma2_256": ("Gemma2Config", dict(head_dim=256, sliding_window=64, attn_logit_softcapping=5.0,
+                                               query_pre_attn_scalar=256)),
            # head dim 512 / 4 = 128 (Falcon derives it; None drops SHAPE's)
            "falcon_alibi": ("FalconConfig", dict(alibi=True, multi_query=False, new_decoder_architecture=False,
                                                  parallel_attn=False, bias=True, head_dim=None)),
            # head dim 384 / 4 = 96, rotary on a quarter of it (GPT-NeoX derives the head dim; None drops SHAPE's)
            "neox96": ("GPTNeoXConfig", dict(hidden_size=384, rotary_pct=0.25, head_dim=None, num_key_value_heads=None))}
-PEER = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "falcon_alibi": "sdpa", "neox96": "sdpa"}
+PEER = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gemma2_256": "eager", "falcon_alibi": "sdpa",
+        "neox96": "sdpa"}
 
 
 def _model(impl, dtype, family):
@@ -54,7 +58,8 @@ def _run(impl, inputs, family, dtype=torch.bfloat16):
 @pytest.mark.parametrize("family, batch", [("llama", "padded"), ("llama", "packed"), ("mistral", "plain"),
                                            ("mistral", "padded"), ("gemma2", "plain"), ("gemma2", "packed"),
                                            ("llama", "collated"), ("gemma2", "collated"), ("falcon_alibi", "plain"),
-                                           ("falcon_alibi", "padded"), ("neox96", "padded"), ("neox96", "packed")])
+                                           ("falcon_alibi", "padded"), ("neox96", "padded"), ("neox96", "packed"),
+                                           ("gemma2_256", "plain"), ("gemma2_256", "packed")])
 def test_fastpath_matches_eager(monkeypatch, family, batch):
     chosen = []
     select = backends.select_backend
