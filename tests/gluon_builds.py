@@ -27,7 +27,6 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
     from triton.experimental.gluon._runtime import GluonASTSource
 
     tile = ga.tile_dim(head_dim)  # a padded head dim (`ga.tile_view`) loads through 3-D descriptors
-    box = (lambda rows: [rows, tile]) if tile == head_dim else (lambda rows: [1, rows, tile])
     cfg = cfg or ga.config(tile, causal)
     fn, constexprs = ga.kernel_args(tile, causal, cfg, mask_mode, window, softcap, alibi, dim=head_dim)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
@@ -36,9 +35,9 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name == "q_desc":
-            sig[p.name] = descriptor_type(dtype, box(ga.ROWS_PER_WARPGROUP))
+            sig[p.name] = descriptor_type(dtype, ga.tile_box(ga.ROWS_PER_WARPGROUP, tile, head_dim))
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, box(cfg.block_n))
+            sig[p.name] = descriptor_type(dtype, ga.tile_box(cfg.block_n, tile, head_dim))
         elif p.name == "out_desc":  # None (a constexpr) unless the output goes out by TMA
             if cfg.tma_store:
                 sig[p.name] = descriptor_type(dtype, [1, ga.ROWS_PER_WARPGROUP, head_dim])

@@ -28,7 +28,6 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
     from triton.experimental.gluon._runtime import GluonASTSource
 
     tile = gb._fwd.tile_dim(head_dim, gb.HEAD_DIMS)  # a padded head dim loads through 3-D descriptors
-    box = (lambda rows: [rows, tile]) if tile == head_dim else (lambda rows: [1, rows, tile])
     fn, constexprs = gb.kernel_args(tile, causal, variant, mask_mode, window, softcap, alibi, deterministic,
                                     dim=head_dim)
     cfg = gb.launch(variant)
@@ -38,9 +37,9 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in ("q_desc", "do_desc"):
-            sig[p.name] = descriptor_type(dtype, box(cfg.block_m[tile]))
+            sig[p.name] = descriptor_type(dtype, gb._fwd.tile_box(cfg.block_m[tile], tile, head_dim))
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, box(gb.block_n(tile)))
+            sig[p.name] = descriptor_type(dtype, gb._fwd.tile_box(gb.block_n(tile), tile, head_dim))
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name == "km_ptr":  # None (a constexpr) without a mask
