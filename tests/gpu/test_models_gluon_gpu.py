@@ -1,11 +1,10 @@
-"""Models with head dim 128 (and 96, 256) on `attn_implementation="fastpath"` with the Gluon kernels: Llama-shaped for padded and
-packed batches, Mistral-shaped (a sliding window), Gemma-2-27B-shaped (sliding-window layers, soft-capped scores) and
-Falcon with ALiBi (Falcon-RW, BLOOM's scheme), and GPT-NeoX at head dim 96 (GPT-NeoX-20B's, which the Gluon kernels
-pad to 128-wide tiles), and Gemma-2 at head dim 256 (Gemma-2-9B's),
-against Transformers' eager attention in float32: logits of the real tokens and every parameter's gradient within 2x
-the error of Transformers' "sdpa" in bfloat16 (eager in bfloat16 for Gemma-2: "sdpa" ignores the soft-cap) plus a
-small floor (run on an H200: `TRITON_INTERPRET=0 pytest tests/gpu/test_models_gluon_gpu.py`). Skipped without an
-sm_90 GPU."""
+"""Models with head dim 128 (and 96, 256) on `attn_implementation="fastpath"` with the Gluon kernels: Llama-shaped for
+padded and packed batches, Mistral-shaped (a sliding window), Gemma-2-27B-shaped (sliding-window layers, soft-capped
+scores) and Falcon with ALiBi (Falcon-RW, BLOOM's scheme), and GPT-NeoX at head dim 96 (GPT-NeoX-20B's, which the Gluon
+kernels pad to 128-wide tiles), and Gemma-2 at head dim 256 (Gemma-2-9B's), against Transformers' eager attention in
+float32: logits of the real tokens and every parameter's gradient within 2x the error of Transformers' "sdpa" in
+bfloat16 (eager in bfloat16 for Gemma-2: "sdpa" ignores the soft-cap) plus a small floor (run on an H200:
+`TRITON_INTERPRET=0 pytest tests/gpu/test_models_gluon_gpu.py`). Skipped without an sm_90 GPU."""
 
 from __future__ import annotations
 
