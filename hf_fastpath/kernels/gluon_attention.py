@@ -17,9 +17,8 @@ flash-attn's (left, right)): the tiles left of the tile's window are never loade
 the right edge is the causal one moved (CAUSAL with diag = Sk - Sq + right). Soft-cap (SOFTCAP, Gemma-2): scores
 softcap * tanh(s / softcap), tanh from exp2 (exact, one more MUFU op an element than tanh.approx). ALiBi (ALIBI,
 BLOOM / Falcon-RW / MPT): scores - slope * |i + Sk - Sq - j|, one add an element when causal (`alibi_mode`). Head
-dims 64, 128, 256 (hd256: 64-key tiles, 2 stages; the backward has no hd256, training there runs the Triton
-backward), and the multiples of 8 between them at the next of those (`tile_dim`: 3-D descriptors whose boxes TMA
-zero-fills past the head dim; no copy). Rows with no visible key give 0 and lse -inf.
+dims 64, 128, 256 (hd256: 64-key tiles, 2 stages), and the multiples of 8 between them at the next of those
+(`tile_dim`: 3-D descriptors whose boxes TMA zero-fills past the head dim; no copy). Rows with no visible key give 0 and lse -inf.
 Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
 are stored. Tensors in, tensors out.
 
