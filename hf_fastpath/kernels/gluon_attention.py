@@ -18,7 +18,8 @@ the right edge is the causal one moved (CAUSAL with diag = Sk - Sq + right). Sof
 softcap * tanh(s / softcap), tanh from exp2 (exact, one more MUFU op an element than tanh.approx). ALiBi (ALIBI,
 BLOOM / Falcon-RW / MPT): scores - slope * |i + Sk - Sq - j|, one add an element when causal (`alibi_mode`). Head
 dims 64, 128, 256 (hd256: 64-key tiles, 2 stages), and the multiples of 8 between them at the next of those
-(`tile_dim`: 3-D descriptors whose boxes TMA zero-fills past the head dim; no copy). Rows with no visible key give 0 and lse -inf.
+(`tile_dim`: 3-D descriptors whose boxes TMA zero-fills past the head dim; no copy). Rows with no visible key give
+0 and lse -inf.
 Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
 are stored. Tensors in, tensors out.
 
