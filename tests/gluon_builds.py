@@ -35,9 +35,9 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name == "q_desc":
-            sig[p.name] = descriptor_type(dtype, ga.tile_box(ga.ROWS_PER_WARPGROUP, tile, head_dim))
+            sig[p.name] = descriptor_type(dtype, ga.tile_box(ga.ROWS_PER_WARPGROUP, tile, padded=tile != head_dim))
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, ga.tile_box(cfg.block_n, tile, head_dim))
+            sig[p.name] = descriptor_type(dtype, ga.tile_box(cfg.block_n, tile, padded=tile != head_dim))
         elif p.name == "out_desc":  # None (a constexpr) unless the output goes out by TMA
             if cfg.tma_store:
                 sig[p.name] = descriptor_type(dtype, [1, ga.ROWS_PER_WARPGROUP, head_dim])

@@ -37,9 +37,9 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in ("q_desc", "do_desc"):
-            sig[p.name] = descriptor_type(dtype, gb._fwd.tile_box(cfg.block_m[tile], tile, head_dim))
+            sig[p.name] = descriptor_type(dtype, gb._fwd.tile_box(cfg.block_m[tile], tile, padded=tile != head_dim))
         elif p.name in ("k_desc", "v_desc"):
-            sig[p.name] = descriptor_type(dtype, gb._fwd.tile_box(gb.block_n(tile), tile, head_dim))
+            sig[p.name] = descriptor_type(dtype, gb._fwd.tile_box(gb.block_n(tile), tile, padded=tile != head_dim))
         elif p.name in ("dk_ptr", "dv_ptr"):
             sig[p.name] = ptr
         elif p.name == "km_ptr":  # None (a constexpr) without a mask

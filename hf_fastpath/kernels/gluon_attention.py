@@ -768,15 +768,15 @@ def tile_view(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, tuple[int, int,
     return view.view(view.shape[0], heads, D).transpose(0, 1), (row_b, row_h, 1 if col_h else 0)
 
 
-def tile_box(rows: int, tile: int, head_dim: int) -> list[int]:
-    """The TMA box of `rows` rows of a `tile`-wide tile: [rows, tile], or [1, rows, tile] over the 3-D `tile_view` of
-    a head dim padded to the tile."""
-    return [rows, tile] if head_dim == tile else [1, rows, tile]
+def tile_box(rows: int, tile: int, padded: bool) -> list[int]:
+    """The TMA box of `rows` rows of a `tile`-wide tile: [rows, tile] over the 2-D `tile_view`, or [1, rows, tile]
+    over the 3-D one of a head dim padded to the tile."""
+    return [1, rows, tile] if padded else [rows, tile]
 
 
 def tile_descriptor(view: torch.Tensor, rows: int, tile: int, elem) -> "TensorDescriptor":
     """The TMA descriptor of [rows, tile] boxes over a `tile_view`."""
-    block = tile_box(rows, tile, view.shape[-1])
+    block = tile_box(rows, tile, padded=view.dim() == 3)
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, nvmma_layout(tuple(block), elem))
 
 

@@ -1,0 +1,178 @@
+"""The Gluon launchers' host side on the CPU: everything `gluon_attention_forward` / `_backward` and
+`gluon_w4a16_matmul_rows` do before the launch (views, TMA descriptors, grids, argument lists) runs on CPU tensors,
+with the Hopper check bypassed and the kernel replaced by a recorder. The offline builds (test_gluon_builds.py and
+the like) compile the kernels from signatures of their own; these tests check what the launchers really pass: every
+kernel parameter bound, descriptors over the caller's memory with boxes of the right rank and size. (Session 24's
+last refactor gave [B, S, H, D] inputs a 3-D box over a 2-D view; only a GPU run noticed.)"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+
+from hf_fastpath.kernels import gluon_attention as ga
+from hf_fastpath.kernels import gluon_attention_bwd as gb
+
+pytestmark = pytest.mark.skipif(not ga.HAS_GLUON, reason="needs Triton's Gluon (triton >= 3.6)")
+
+
+class _Recorder:
+    """Stands in for a Gluon kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The recorded launches of both kernels. `check_inputs` is off: its first check wants a Hopper GPU (the input
+    checks have tests of their own)."""
+    recorded = []
+
+    def recording(kernel_args):
+        def wrapped(*a, **kw):
+            kernel, meta = kernel_args(*a, **kw)
+            recorded.append(_Recorder(kernel))
+            return recorded[-1], meta
+        return wrapped
+
+    monkeypatch.setattr(ga, "check_inputs", lambda *a, **kw: None)
+    monkeypatch.setattr(ga, "kernel_args", recording(ga.kernel_args))
+    monkeypatch.setattr(gb, "kernel_args", recording(gb.kernel_args))
+    monkeypatch.setattr(ga, "_sm_count", lambda device: 132)
+    return recorded
+
+
+def _bound(recorder):
+    """The one recorded launch, bound to the kernel's parameters (launch options dropped)."""
+    assert len(recorder.calls) == 1
+    grid, args, kwargs = recorder.calls[0]
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "maxnreg")}
+    bound = inspect.signature(recorder.kernel.fn).bind(*args, **kwargs)  # TypeError if one is missing or extra
+    bound.apply_defaults()
+    assert all(g > 0 for g in grid)
+    return bound.arguments
+
+
+def _check_descriptor(desc, source, rows, tile, padded):
+    assert list(desc.block_shape) == ([1, rows, tile] if padded else [rows, tile])  # spelled out, not tile_box
+    assert len(desc.block_shape) == len(desc.shape) == desc.base.dim() == (3 if padded else 2)
+    assert desc.base.data_ptr() == source.data_ptr()  # a view of the caller's memory, no copy
+    assert desc.strides[-1] == 1 and all(s * source.element_size() % 16 == 0 for s in desc.strides[:-1])
+
+
+def _inputs(d, bhsd, b=2, sq=70, sk=70, hq=4, hkv=2):
+    def make(s, h):
+        return torch.randn(b, h, s, d).to(torch.bfloat16).transpose(1, 2) if bhsd else \
+            torch.randn(b, s, h, d).to(torch.bfloat16)
+
+    return make(sq, hq), make(sk, hkv), make(sk, hkv)
+
+
+KINDS = ["none", "key_mask", "segments", "window", "softcap", "alibi"]
+
+
+def _mask_kwargs(kind, b, s, hq):
+    if kind == "key_mask":
+        km = torch.ones(b, s, dtype=torch.bool)
+        km[0, :5] = False
+        return dict(key_mask=km)
+    if kind == "segments":
+        from hf_fastpath.kernels.flash_attention import segment_table
+
+        return dict(segments=segment_table(torch.arange(s).div(20, rounding_mode="floor").expand(b, s)))
+    if kind == "alibi":
+        return dict(alibi_slopes=torch.rand(hq))
+    return {"none": {}, "window": dict(window_size=(16, 0)), "softcap": dict(softcap=30.0)}[kind]
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("bhsd", [False, True], ids=["bshd", "bhsd"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_launch(launches, d, bhsd, kind):
+    q, k, v = _inputs(d, bhsd)
+    out, lse = ga.gluon_attention_forward(q, k, v, causal=True, **_mask_kwargs(kind, 2, 70, 4))
+    assert out.shape == q.shape and lse.shape == (2, 4, 70)
+    tile = ga.tile_dim(d)
+    args = _bound(launches[-1])
+    cfg = ga.config(tile, True)
+    padded = tile != d
+    _check_descriptor(args["q_desc"], q, ga.ROWS_PER_WARPGROUP, tile, padded)
+    for name, t in (("k_desc", k), ("v_desc", v)):
+        _check_descriptor(args[name], t, cfg.block_n, tile, padded)
+    assert args["HEAD_DIM"] == tile and args["DIM"] == (d if padded else 0)
+    assert args["out_ptr"] is out and args["lse_ptr"] is lse
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_variant_launches(launches, d):
+    q, k, v = _inputs(d, False)
+    for name, cfg in ga.variants(d, False).items():
+        ga.gluon_attention_forward(q, k, v, variant=cfg)
+        args = _bound(launches[-1])
+        _check_descriptor(args["q_desc"], q, ga.ROWS_PER_WARPGROUP, d, False)
+        assert (args["out_desc"] is not None) == cfg.tma_store, name
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("bhsd", [False, True], ids=["bshd", "bhsd"])
+@pytest.mark.parametrize("kind", ["none", "key_mask", "segments", "softcap", "deterministic"])
+def test_backward_launch(launches, d, bhsd, kind):
+    q, k, v = _inputs(d, bhsd)
+    dout = torch.randn_like(q)
+    out = torch.randn(q.shape).to(q.dtype)
+    lse = torch.randn(2, 4, 70)
+    tile = ga.tile_dim(d, gb.HEAD_DIMS)
+    kw = dict(deterministic=True) if kind == "deterministic" else _mask_kwargs(kind, 2, 70, 4)
+    if kind == "deterministic" and tile > 128:
+        with pytest.raises(ValueError, match="deterministic"):
+            gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=True, **kw)
+        return
+    dq, dk, dv = gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=True, **kw)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    args = _bound(launches[-1])
+    cfg = gb.launch(gb.DEFAULT_VARIANTS[tile])
+    padded = tile != d
+    for name, t in (("q_desc", q), ("do_desc", dout)):
+        _check_descriptor(args[name], t, cfg.block_m[tile], tile, padded)
+    for name, t in (("k_desc", k), ("v_desc", v)):
+        _check_descriptor(args[name], t, gb.block_n(tile), tile, padded)
+    assert args["dk_ptr"] is dk and args["dv_ptr"] is dv
+    assert args["dq_ptr"].shape == q.shape and args["dq_ptr"].dtype == torch.float32
+    assert (args["dq_turns"] is not None) == (kind == "deterministic")
+
+
+@pytest.mark.parametrize("m", [1, 20, 50, 130])
+@pytest.mark.parametrize("group_size", [32, 128, 256])
+@pytest.mark.parametrize("n", [256, 264])
+def test_w4a16_launch(monkeypatch, m, group_size, n):
+    # gluon_w4a16_matmul_rows launches through a LaunchCache (Triton's argument binding skipped): its argument
+    # tuple must still bind to the kernel, the x box follow config(m), scales by TMA only where scales_by_tma says
+    from hf_fastpath.kernels import gluon_w4a16 as gw
+
+    calls = []
+    monkeypatch.setattr(gw, "_LAUNCH", types.SimpleNamespace(launch=lambda *a: calls.append(a)))
+    monkeypatch.setattr(gw, "_num_sms", lambda device: 132)
+    k = 512
+    x = torch.randn(m, k).to(torch.bfloat16)
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    scales = zeros = torch.ones(k // group_size, n, dtype=torch.bfloat16)
+    y = gw.gluon_w4a16_matmul_rows(x, qweight, scales, zeros, group_size)
+    assert y.shape == (m, n) and len(calls) == 1
+    grid, args, kwargs, _ = calls[0]
+    kwargs = {key: v for key, v in kwargs.items() if key not in ("num_warps", "maxnreg")}
+    bound = inspect.signature(gw._w4a16_kernel.fn).bind(*args, **kwargs).arguments
+    block_m, stages = gw.config(m)
+    x_desc, w_desc = bound["x_desc"], bound["w_desc"]
+    assert list(x_desc.block_shape) == [block_m, gw.BLOCK_K] and x_desc.base.data_ptr() == x.data_ptr()
+    assert list(w_desc.block_shape) == [gw.BLOCK_N, 16] and w_desc.base.data_ptr() == qweight.data_ptr()
+    assert (bound["s_desc"] is not None) == bound["SCALES_TMA"] == gw.scales_by_tma(n, group_size)
+    assert bound["STAGES"] == stages and bound["PLANE_GROUPS"] == (group_size in gw.PLANE_GROUP_SIZES)
+    splits = bound["y_ptr"].shape[0] if bound["y_ptr"].dim() == 3 else 1  # fp32 partials per K split
+    assert grid[0] == -(-n // gw.BLOCK_N) * -(-m // block_m) * splits
