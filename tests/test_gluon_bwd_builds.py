@@ -25,20 +25,20 @@ def test_gluon_attention_backward_builds_for_sm90():
     # 3.6, 0-96 under 3.9 (session 24: K / V descriptors hoisted out of the loop had spilled ~700 bytes under 3.6,
     # 1.09-1.12x slower; docs/attention.md)
     assert_sm90_builds_sound(builds, {"softcap": 128, "alibi": 320, "deterministic": 40, "hd256": 128})
+    # every variant plain ("own_dq" at hd256 is "split"), the features with each head dim's default
     plain = {f"bwd hd{d} {kind} {v}" for d in gb.HEAD_DIMS for v in gb.VARIANTS
-             for kind in ("full bf16", "causal bf16", "causal fp16")}
-    masked = {f"bwd hd{d} {kind} bf16 {v} {mask}" for v in gb.VARIANTS for mask in ("keymask", "packed")
+             for kind in ("full bf16", "causal bf16", "causal fp16") if (d, v) != (256, "own_dq")}
+    v = "split"
+    assert set(gb.DEFAULT_VARIANTS.values()) == {v}
+    masked = {f"bwd hd{d} {kind} bf16 {v} {mask}" for mask in ("keymask", "packed")
               for d, kind in ((64, "causal"), (128, "causal"), (128, "full"), (256, "causal"))}
-    windowed = {f"bwd hd{d} causal bf16 {v} {what}" for v in gb.VARIANTS for d in gb.HEAD_DIMS
-                for what in ("window", "softcap")}
-    windowed |= {f"bwd hd128 causal bf16 {v} {what}" for v in gb.VARIANTS for what in ("window packed",
-                                                                                        "window softcap")}
-    alibi = {f"bwd hd{d} causal bf16 {v} alibi" for v in gb.VARIANTS for d in gb.HEAD_DIMS}
-    alibi |= {f"bwd hd128 {what} {v} alibi{extra}" for v in gb.VARIANTS
+    windowed = {f"bwd hd{d} causal bf16 {v} {what}" for d in gb.HEAD_DIMS for what in ("window", "softcap")}
+    windowed |= {f"bwd hd128 causal bf16 {v} {what}" for what in ("window packed", "window softcap")}
+    alibi = {f"bwd hd{d} causal bf16 {v} alibi" for d in gb.HEAD_DIMS}
+    alibi |= {f"bwd hd128 {what} {v} alibi{extra}"
               for what, extra in (("full bf16", ""), ("causal bf16", " keymask"), ("causal bf16", " softcap"))}
-    deterministic = {f"bwd hd{d} {kind} bf16 {v} deterministic" for v in gb.VARIANTS for d in (64, 128)
-                     for kind in ("causal", "full")}
-    deterministic |= {f"bwd hd128 causal bf16 {v} window packed deterministic" for v in gb.VARIANTS}
+    deterministic = {f"bwd hd{d} {kind} bf16 {v} deterministic" for d in (64, 128) for kind in ("causal", "full")}
+    deterministic |= {f"bwd hd128 causal bf16 {v} window packed deterministic"}
     padded = {"bwd hd96 causal bf16 split", "bwd hd104 full bf16 split keymask"}
     assert {b["name"] for b in builds} == plain | masked | windowed | alibi | deterministic | padded
     assert all(b["hgmma"] > 0 for b in builds), builds
@@ -66,13 +66,20 @@ def test_offline_shared_estimate_and_blocks():
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
     assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False,
                                                          MASK_MODE=0, WINDOW=False, SOFTCAP=False, ALIBI=0,
-                                                         DETERMINISTIC=False, DIM=0)
+                                                         DETERMINISTIC=False, DIM=0, OWN_DQ=False)
     meta = gb.kernel_args(128, True, "split", 1, True, True, 2, True)[1]
     assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"], meta["ALIBI"], meta["DETERMINISTIC"]) == \
         (1, True, True, 2, True)
     assert gb.kernel_args(128, True, "split", 2)[1]["MASK_MODE"] == 2
     assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
     assert gb.kernel_args(128, True, "split", dim=96)[1]["DIM"] == 96  # a padded head dim's stores
+    # each consumer adds its own dQ: always at hd256, at every head dim with "own_dq", whose freed dQ tiles (64 KB
+    # at hd128) hold a third Q / dO slot; no deterministic mode there
+    assert gb.kernel_args(256, True, "split")[1]["OWN_DQ"] and gb.kernel_args(128, True, "own_dq")[1]["OWN_DQ"]
+    # two fp32 dQ tiles [64, 128] out, a 16-bit Q and dO tile in
+    assert gb.shared_bytes(128, "split") - gb.shared_bytes(128, "own_dq") == 2 * 64 * 128 * 4 - 2 * 64 * 128 * 2
+    assert [gb.deterministic_supported(d) for d in (64, 96, 128, 160, 256)] == [True, True, True, False, False]
+    assert not gb.deterministic_supported(128, "own_dq") and not gb.deterministic_supported(48)
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg2")
 

@@ -130,7 +130,7 @@ def test_backward_launch(launches, d, bhsd, kind):
     lse = torch.randn(2, 4, 70)
     tile = ga.tile_dim(d, gb.HEAD_DIMS)
     kw = dict(deterministic=True) if kind == "deterministic" else _mask_kwargs(kind, 2, 70, 4)
-    if kind == "deterministic" and tile > 128:
+    if kind == "deterministic" and tile == 256:  # (each consumer adds its own dQ columns there)
         with pytest.raises(ValueError, match="deterministic"):
             gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=True, **kw)
         return
@@ -146,6 +146,21 @@ def test_backward_launch(launches, d, bhsd, kind):
     assert args["dk_ptr"] is dk and args["dv_ptr"] is dv
     assert args["dq_ptr"].shape == q.shape and args["dq_ptr"].dtype == torch.float32
     assert (args["dq_turns"] is not None) == (kind == "deterministic")
+
+
+@pytest.mark.parametrize("variant", sorted(gb.VARIANTS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_variant_launches(launches, d, variant):
+    q, k, v = _inputs(d, False)
+    dout, out, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 4, 70)
+    gb.gluon_attention_backward(dout, q, k, v, out, lse, causal=True, variant=variant)
+    args = _bound(launches[-1])
+    cfg = gb.launch(variant)
+    assert args["STAGES"] == cfg.stages[d] and args["OWN_DQ"] == (d in cfg.own_dq)
+    _check_descriptor(args["q_desc"], q, cfg.block_m[d], d, False)
+    if args["OWN_DQ"]:  # the consumers add dQ in arrival order: no deterministic mode
+        with pytest.raises(ValueError, match="deterministic"):
+            gb.gluon_attention_backward(dout, q, k, v, out, lse, deterministic=True, variant=variant)
 
 
 @pytest.mark.parametrize("m", [1, 20, 50, 130])
