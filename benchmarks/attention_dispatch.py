@@ -18,6 +18,8 @@ Calls are made the way each runs inside a model:
 Phases: `prefill` (forward), `train` (forward + backward), 16k tokens a batch; `decode` (1 query; K/V of `kv`
 tokens, `static`: a static cache twice that long with `seqused_k` / a boolean key mask for SDPA), timed as CUDA
 graph replays (what compiled generate runs) and, for ours and sdpa, also eagerly (host time included).
+Prefill / train rows also keep `host_ms`, each call's host time (enqueue only): where it nears `ms`, the row is
+host-bound (the log marks it "!").
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import platform
 import sys
+import time
 
 import torch
 
@@ -102,6 +105,18 @@ def _time(fn, graph=False):
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def _host_ms(fn, calls=20):
+    """Host time a call takes to enqueue its work (the GPU not awaited). Near the row's timed ms, the row measures
+    the host (Python, launches, or a hidden sync), not the kernels."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
 def _try(label, fn, graph=False):
     try:
         return _time(fn, graph)
@@ -135,6 +150,8 @@ def bench_prefill(rows, head_dims=None):
                             def fn(impl=impl, qg=qg, kg=kg, vg=vg, g=g):
                                 impl(qg, kg, vg, causal).backward(g)
                         row["ms"][name] = _try(f"{phase} d{d} s{s} c{int(causal)} {name}", fn)
+                        if row["ms"][name] is not None:
+                            row.setdefault("host_ms", {})[name] = _host_ms(fn)
                     mult = 3.5 if phase == "train" else 1.0
                     row["tflops"] = {n: (flops * mult / (t * 1e-3) / 1e12 if t else None) for n, t in row["ms"].items()}
                     rows.append(row)
@@ -209,7 +226,10 @@ def sweep_decode_configs(rows):
 
 
 def _fmt(row):
-    ms = " ".join(f"{n}={t:.3f}" if t else f"{n}=--" for n, t in row["ms"].items())
+    host = row.get("host_ms", {})
+    # "!": the host takes most of the timed time, so the row says little about the kernels
+    ms = " ".join((f"{n}={t:.3f}" + ("!" if host.get(n, 0) > 0.8 * t else "")) if t else f"{n}=--"
+                  for n, t in row["ms"].items())
     return (f"{row['phase']:7s} d{row['head_dim']} h{row['heads']}/{row['kv_heads']} b{row['batch']} "
             f"kv{row['kv_len']} c{int(row['causal'])}: {ms}")
 
