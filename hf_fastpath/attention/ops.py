@@ -154,7 +154,7 @@ def _gluon_forward(q, k, v, key_mask, segments, alibi_slopes, causal, softmax_sc
 
 def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, causal, softmax_scale, window_left,
                     window_right, softcap):
-    from ..kernels.gluon_attention_bwd import gluon_attention_backward, supported
+    from ..kernels.gluon_attention_bwd import deterministic_supported, gluon_attention_backward, supported
 
     masks = _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap)
     triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
@@ -165,7 +165,7 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, c
     # supported: e.g. Sq * Hq * D past 32-bit dQ offsets
     deterministic = torch.are_deterministic_algorithms_enabled()
     head_dim = q.shape[-1]
-    triton_when_deterministic = head_dim > 128 or (head_dim <= 64 and not softcap > 0)
+    triton_when_deterministic = not deterministic_supported(head_dim) or (head_dim <= 64 and not softcap > 0)
     if not supported(dout, q, k, v, causal) or (deterministic and triton_when_deterministic):
         return triton_call()
     return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, deterministic=deterministic,
