@@ -66,26 +66,17 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
 
 def cases():
     """(name, head dim, causal, dtype, variant, mask mode, window, softcap[, alibi]): every head dim, causality and
-    variant in bf16, causal fp16 (not a variant that sets what the default does at that head dim); with each head
-    dim's default variant, the key-mask and packed kernels causal at every head dim and full at hd128, the
-    sliding-window and soft-cap kernels (causal at every head dim; with packed segments or soft-cap at hd128),
-    ALiBi (causal at every head dim, full and with a key mask at hd128) and the deterministic dQ (causal and full
-    where supported, with a window and packed segments at hd128)."""
-
-    def at(variant, d):  # what a variant sets at head dim d
-        cfg = gb.launch(variant)
-        return cfg.block_m[d], cfg.stages[d], d in cfg.kv_in_registers, d in cfg.own_dq
-
+    variant in bf16, causal fp16; with each head dim's default variant, the key-mask and packed kernels causal at
+    every head dim and full at hd128, the sliding-window and soft-cap kernels (causal at every head dim; with packed
+    segments or soft-cap at hd128), ALiBi (causal at every head dim, full and with a key mask at hd128) and the
+    deterministic dQ (causal and full where supported, with a window and packed segments at hd128)."""
     for head_dim in gb.HEAD_DIMS:
-        default = gb.DEFAULT_VARIANTS[head_dim]
         for variant in gb.VARIANTS:
-            if variant != default and at(variant, head_dim) == at(default, head_dim):
-                continue  # the default's build
             for causal in (False, True):
                 yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant}", head_dim, causal,
                        torch.bfloat16, variant, 0, False, False)
             yield f"bwd hd{head_dim} causal fp16 {variant}", head_dim, True, torch.float16, variant, 0, False, False
-        variant = default  # the features: where a variant becomes the default, they build with it
+        variant = gb.DEFAULT_VARIANTS[head_dim]  # the features: where a variant becomes the default, they build with it
         for causal in (True, False) if head_dim == 128 else (True,):
             for mode, what in ((1, "keymask"), (2, "packed")):
                 yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant} {what}", head_dim,
@@ -106,10 +97,10 @@ def cases():
                    variant, 0, False, True, 2)
         yield (f"bwd hd{head_dim} causal bf16 {variant} alibi", head_dim, True, torch.bfloat16, variant, 0, False,
                False, 2)
-        for causal in (True, False) if gb.deterministic_supported(head_dim, variant) else ():
+        for causal in (True, False) if gb.deterministic_supported(head_dim) else ():
             yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant} deterministic", head_dim,
                    causal, torch.bfloat16, variant, 0, False, False, 0, True)
-        if head_dim == 128 and gb.deterministic_supported(head_dim, variant):  # every input of the turn order
+        if head_dim == 128 and gb.deterministic_supported(head_dim):  # every input of the turn order
             yield (f"bwd hd{head_dim} causal bf16 {variant} window packed deterministic", head_dim, True,
                    torch.bfloat16, variant, 2, True, False, 0, True)
     # head dims padded to 128 (`tile_dim`): GPT-NeoX-20B's 96; 104 stores part of a 16-column dQ piece

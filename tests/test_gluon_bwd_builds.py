@@ -23,11 +23,11 @@ def test_gluon_attention_backward_builds_for_sm90():
     # ALiBi at hd128 88-304 under 3.6, 12-88 under 3.9 (session 21: still 1.11-1.14x the Triton backward); the
     # deterministic dQ turns with a window and packed segments 36 under 3.9 (3.6, the GPU's: none); hd256 none under
     # 3.6, 0-96 under 3.9 (session 24: K / V descriptors hoisted out of the loop had spilled ~700 bytes under 3.6,
-    # 1.09-1.12x slower; docs/attention.md); "own_dq" at hd128 (hd256's register peak) none under 3.6, 64-72 under 3.9
-    assert_sm90_builds_sound(builds, {"softcap": 128, "alibi": 320, "deterministic": 40, "hd256": 128, "own_dq": 96})
-    # every variant plain ("own_dq" at hd256 is "split"), the features with each head dim's default
+    # 1.09-1.12x slower; docs/attention.md)
+    assert_sm90_builds_sound(builds, {"softcap": 128, "alibi": 320, "deterministic": 40, "hd256": 128})
+    # every variant plain, the features with each head dim's default
     plain = {f"bwd hd{d} {kind} {v}" for d in gb.HEAD_DIMS for v in gb.VARIANTS
-             for kind in ("full bf16", "causal bf16", "causal fp16") if (d, v) != (256, "own_dq")}
+             for kind in ("full bf16", "causal bf16", "causal fp16")}
     v = "split"
     assert set(gb.DEFAULT_VARIANTS.values()) == {v}
     masked = {f"bwd hd{d} {kind} bf16 {v} {mask}" for mask in ("keymask", "packed")
@@ -66,20 +66,16 @@ def test_offline_shared_estimate_and_blocks():
     assert set(gb.DEFAULT_VARIANTS) == set(gb.HEAD_DIMS) and set(gb.DEFAULT_VARIANTS.values()) <= set(gb.VARIANTS)
     assert gb.kernel_args(128, True, "split")[1] == dict(HEAD_DIM=128, CAUSAL=True, STAGES=2, KV_REGS=False,
                                                          MASK_MODE=0, WINDOW=False, SOFTCAP=False, ALIBI=0,
-                                                         DETERMINISTIC=False, DIM=0, OWN_DQ=False)
+                                                         DETERMINISTIC=False, DIM=0)
     meta = gb.kernel_args(128, True, "split", 1, True, True, 2, True)[1]
     assert (meta["MASK_MODE"], meta["WINDOW"], meta["SOFTCAP"], meta["ALIBI"], meta["DETERMINISTIC"]) == \
         (1, True, True, 2, True)
     assert gb.kernel_args(128, True, "split", 2)[1]["MASK_MODE"] == 2
     assert gb.kernel_args(64, False, "split")[1]["KV_REGS"]
     assert gb.kernel_args(128, True, "split", dim=96)[1]["DIM"] == 96  # a padded head dim's stores
-    # each consumer adds its own dQ: always at hd256, at every head dim with "own_dq", whose freed dQ tiles (64 KB
-    # at hd128) hold a third Q / dO slot; no deterministic mode there
-    assert gb.kernel_args(256, True, "split")[1]["OWN_DQ"] and gb.kernel_args(128, True, "own_dq")[1]["OWN_DQ"]
-    # two fp32 dQ tiles [64, 128] out, a 16-bit Q and dO tile in
-    assert gb.shared_bytes(128, "split") - gb.shared_bytes(128, "own_dq") == 2 * 64 * 128 * 4 - 2 * 64 * 128 * 2
-    assert [gb.deterministic_supported(d) for d in (64, 96, 128, 160, 256)] == [True, True, True, False, False]
-    assert not gb.deterministic_supported(128, "own_dq") and not gb.deterministic_supported(48)
+    # the ordered dQ lives in the reducer, which hd256 (and the head dims padded to it) does not have
+    assert [gb.deterministic_supported(d) for d in (48, 64, 96, 128, 160, 256)] == [False, True, True, True, False,
+                                                                                     False]
     with pytest.raises(ValueError, match="variant must be one of"):
         gb.launch("wg2")
 

@@ -35,8 +35,6 @@ q / k packing.
   consumer half the head dim of dK, dV and dQ_i. Both compute all of S^T and dP^T (40% more MMA work, but no
   hand-over: the warpgroups stay out of step), keep their own dS^T, and add their dQ_i columns from the accumulator
   (8-byte atomics): shared memory has no room for fp32 dQ tiles beside 256-wide K, V and two Q / dO slots.
-  The "own_dq" variant (session 26; not yet run on a GPU) does the same at hd64 / hd128: each consumer adds dS . K
-  over its own 64 keys, no hand-over, a third Q / dO slot in the freed shared memory, twice the dQ atomics.
   lse2 / delta of the next tile are loaded one iteration ahead, one register each (a compact layout), and spread
   over S^T's columns only when used: with the two accumulator folds this is what made 64-row tiles fit hd128.
   Masking is branch-free; queries past Sq get lse2 = +inf and delta 0, so rows of the next sequence that a TMA box
@@ -83,10 +81,6 @@ class Launch(NamedTuple):
     block_m: dict
     stages: dict
     kv_in_registers: tuple = ()  # head dims at which each consumer holds its K and V as register A operands
-    # head dims at which each consumer adds its own dQ_i (over its keys) from its accumulator: no dS^T hand-over
-    # between the consumers, no reducer, no fp32 dQ tiles in shared memory (room for another Q / dO slot), but twice
-    # the dQ atomics, and no deterministic mode
-    own_dq: tuple = (256, )
 
 
 # H200, session 15 (gluon_attention_backward.json and docs/attention.md): the dQ hand-over untransposed (16-byte
@@ -95,10 +89,10 @@ class Launch(NamedTuple):
 # prefetched lse2 / delta one register each) and at hd64 K / V as register operands (+2-7%): 1.16-1.35x session
 # 14's best. Gone, measured slower: "atomic" (no warp specialization, dQ atomics from the compute warps), "ws"
 # (32-row tiles, partial dQ^T summed by the reducer), a 2- or 4-slot ring at hd64 (within 2% of 3 slots). The table
-# stays for the next experiments. "own_dq" (session 26, built offline, not yet run on a GPU): the consumers out of
-# step at hd64 / hd128 too, their 64 KB of dQ tiles traded for a third Q / dO slot.
-VARIANTS = {"split": Launch({64: 64, 128: 64, 256: 64}, {64: 3, 128: 2, 256: 2}, (64, )),
-            "own_dq": Launch({64: 64, 128: 64, 256: 64}, {64: 3, 128: 3, 256: 2}, (64, ), (64, 128, 256))}
+# stays for the next experiments. Session 27: "own_dq" (each consumer adds dQ_i = dS . K over its own 64 keys from
+# its accumulator at hd64 / hd128, as hd256 does: no ds_ready lockstep, no reducer, a third Q / dO slot at hd128)
+# ran at 0.64-0.72x "split" (docs/attention.md; removed, commit 4ec7344 has it).
+VARIANTS = {"split": Launch({64: 64, 128: 64, 256: 64}, {64: 3, 128: 2, 256: 2}, (64, ))}
 DEFAULT_VARIANTS = {64: "split", 128: "split", 256: "split"}
 
 
@@ -114,20 +108,21 @@ def launch(variant: str) -> Launch:
     return VARIANTS[variant]
 
 
-def deterministic_supported(head_dim: int, variant: str | None = None) -> bool:
-    """Whether `deterministic=True` runs at this head dim: only where the reducer adds dQ (not `Launch.own_dq`)."""
+def deterministic_supported(head_dim: int) -> bool:
+    """Whether `deterministic=True` runs at this head dim: up to hd128, where the reducer adds dQ (at hd256 both
+    consumers add their dQ_i columns themselves, in arrival order)."""
     tile = _fwd.tile_dim(head_dim, HEAD_DIMS)
-    return tile is not None and tile not in launch(variant or DEFAULT_VARIANTS[tile]).own_dq
+    return tile is not None and tile <= 128
 
 
 def shared_bytes(head_dim: int, variant: str) -> int:
-    """16-bit tiles of one CTA (K, V, the Q/dO ring, two dS^T tiles of all its keys) and, where the reducer adds dQ,
-    two fp32 dQ tiles, plus 1 KB for barriers and layout conversions."""
+    """16-bit tiles of one CTA (K, V, the Q/dO ring, two dS^T tiles of all its keys) and, up to hd128, two fp32 dQ
+    tiles for the reducer, plus 1 KB for barriers and layout conversions."""
     cfg = launch(variant)
     block_m = cfg.block_m[head_dim]
     bn = block_n(head_dim)
     tiles = 2 * (2 * bn * head_dim + 2 * cfg.stages[head_dim] * block_m * head_dim + 2 * bn * block_m)
-    return tiles + (0 if head_dim in cfg.own_dq else 2 * 4 * block_m * head_dim) + 1024
+    return tiles + (2 * 4 * block_m * head_dim if head_dim <= 128 else 0) + 1024
 
 
 if HAS_GLUON:
@@ -402,8 +397,7 @@ if HAS_GLUON:
                   m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag, diag_lo, cap_scale,
                   slopes_ptr, slopes_b, alibi_diag, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr,
-                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DIM: gl.constexpr,
-                  OWN_DQ: gl.constexpr):
+                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DIM: gl.constexpr):
         """One warpgroup's 64 keys (n0 + 64 WG ...): dK and dV in registers over all iterations. Per iteration, once
         both warpgroups' dS^T are in shared memory, its share of dQ_i goes to shared memory for the reducer (FA3's
         split: hd128, half of dQ_i's head dim over all 128 keys each; hd64, all of dQ_i by the warpgroup of the
@@ -411,8 +405,7 @@ if HAS_GLUON:
         hd256 (SPLIT): both warpgroups take the CTA's 64 keys, and warpgroup WG columns 128 WG.. of dK, dV and dQ_i.
         Each computes all of S^T and dP^T (40% more MMA work than needed, for no hand-over between the warpgroups:
         they run out of step, one's softmax under the other's wgmmas) and adds its dQ_i columns from its registers,
-        as the shared memory holds no fp32 dQ tile beside K, V and two Q / dO slots. OWN_DQ (always at hd256): each
-        warpgroup adds its dQ_i from its accumulator; up to hd128 that is dS . K over its own 64 keys, all columns."""
+        as the shared memory holds no fp32 dQ tile beside K, V and two Q / dO slots."""
         ROWS: gl.constexpr = 64
         SPLIT: gl.constexpr = HEAD_DIM > 128
         COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM  # of dK, dV (and dQ_i at hd256)
@@ -480,23 +473,15 @@ if HAS_GLUON:
                 ds_w = ds_all.slice(WG * ROWS, ROWS, dim=0)
                 q_dk = q_tile
                 do_dv = do_tile
-                if OWN_DQ:  # K (the dQ operand too) and V rebuilt each iteration as at hd256: hoisted, they spilled
-                    k_dq = k_smem.index(it >> 30).slice(KEY0, ROWS, dim=0)
-                    if not KV_REGS:
-                        k_op = k_dq
-                        v_op = v_smem.index(it >> 30).slice(KEY0, ROWS, dim=0)
             dk, dv = _dkdv_step(k_op, v_op, q_tile, do_tile, q_dk, do_dv, ds_w, dk, dv, lse2, delta, keys, key_ok,
                                 key_base, key_span, mt * BLOCK_M, seq_q, diag, qk_scale, cap_scale, st_layout, CAUSAL,
                                 SPANS, SOFTCAP, alibi_diag, alibi_coef, ALIBI)
             mbarrier.arrive(empty.index(slot), count=1)  # Q_i / dO_i are no longer read: the slot may refill
-            if OWN_DQ:  # dQ_i [queries, columns COL0..] = dS . K over this warpgroup's keys, from the accumulator
-                if SPLIT:
-                    k_dq = k_op.slice(COL0, COLS, dim=1)
-                dq = warpgroup_mma(ds_w.permute((1, 0)), k_dq, gl.zeros([BLOCK_M, COLS], gl.float32, kv_layout),
-                                   use_acc=False, is_async=True)
+            if SPLIT:  # dQ_i [queries, columns COL0..] = dS . K over the 64 keys, added from the accumulator
+                dq = warpgroup_mma(ds_w.permute((1, 0)), k_op.slice(COL0, COLS, dim=1),
+                                   gl.zeros([BLOCK_M, COLS], gl.float32, kv_layout), use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                if SPLIT:  # (up to hd128 dS^T is double-buffered: `_dkdv_step`'s barrier of the next iteration)
-                    _barrier()  # every warp's share of that wgmma has read dS^T before the next iteration rewrites it
+                _barrier()  # every warp's share of that wgmma has read dS^T before the next iteration rewrites it
                 _add_dq(dq, dq_ptr, b, h, mt * BLOCK_M, seq_q, num_heads, COL0, DIM)
             else:
                 _share_dq(k_smem, ds_all, dq_smem, ds_ready, dq_full, dq_empty, it, st_layout, WG, HEAD_DIM,
@@ -535,12 +520,11 @@ if HAS_GLUON:
                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h,
                         do_row_b, do_row_h, do_col_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_MODE: gl.constexpr, WINDOW: gl.constexpr,
-                        DETERMINISTIC: gl.constexpr, DIM: gl.constexpr, OWN_DQ: gl.constexpr):
-        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and,
-        unless OWN_DQ, the dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer.
-        DETERMINISTIC: the key blocks add into each (batch, head, query tile) in a fixed order (`_dq_turn`), one
-        counter per tile in dq_turns, so the fp32 sums are bitwise repeatable. dQ is [B, Sq, Hq, DIM] (DIM <=
-        HEAD_DIM, the tiles')."""
+                        DETERMINISTIC: gl.constexpr, DIM: gl.constexpr):
+        """The third warpgroup: TMA loads (K and V once, Q_i / dO_i STAGES - 1 iterations ahead into a ring) and, up to
+        hd128, the dQ reduction: iteration i's dQ_i tile is atomically added to the fp32 dQ buffer. DETERMINISTIC: the
+        key blocks add into each (batch, head, query tile) in a fixed order (`_dq_turn`), one counter per tile in
+        dq_turns, so the fp32 sums are bitwise repeatable. dQ is [B, Sq, Hq, DIM] (DIM <= HEAD_DIM, the tiles')."""
         BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _load_tile(k_desc, b * k_row_b + hk * k_row_h + n0, hk * k_col_h, kv_ready, k_smem.index(0))
@@ -567,7 +551,7 @@ if HAS_GLUON:
                 mbarrier.wait(empty.index(nxt % STAGES), ((nxt // STAGES) & 1) ^ 1)
                 _load_qdo(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, b, h_ld, mt_ld * BLOCK_M, q_row_b,
                           q_row_h, q_col_h, do_row_b, do_row_h, do_col_h)
-            if not OWN_DQ:  # (else the consumers add their dQ_i themselves)
+            if HEAD_DIM <= 128:  # (at hd256 the consumers add their dQ_i themselves)
                 slot = it % 2
                 mbarrier.wait(dq_full.index(slot), (it // 2) & 1)
                 queries = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, red_layout))
@@ -599,13 +583,12 @@ if HAS_GLUON:
                          slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                          STAGES: gl.constexpr, KV_REGS: gl.constexpr, MASK_MODE: gl.constexpr = 0,
                          WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
-                         DETERMINISTIC: gl.constexpr = False, DIM: gl.constexpr = 0, OWN_DQ: gl.constexpr = False):
+                         DETERMINISTIC: gl.constexpr = False, DIM: gl.constexpr = 0):
         """Per CTA 128 keys of one (batch, kv-head): two consumer warpgroups of 64 keys each and a loader / dQ-reducer
         warpgroup (see `_consumer`, `_loader_reducer`); at hd256 64 keys, the head dim split between the consumers,
         which add dQ themselves. Masks as in the forward (MASK_MODE 1: km_ptr a uint8 key mask, 2: the segment table; 0:
-        None); ALiBi as in the forward. OWN_DQ: the consumers add their dQ_i themselves (`Launch.own_dq`).
-        DETERMINISTIC: dq_turns, zeroed int32 [B, Hq, query tiles], orders the dQ adds (`_loader_reducer`); else
-        unused (None). DIM: the tensors' head dim where the tiles are wider (3-D descriptors
+        None); ALiBi as in the forward. DETERMINISTIC: dq_turns, zeroed int32 [B, Hq, query tiles], orders the dQ adds
+        (`_loader_reducer`); else unused (None). DIM: the tensors' head dim where the tiles are wider (3-D descriptors
         of `_fwd.tile_view`), else 0."""
         BLOCK_M: gl.constexpr = _tile_shape(q_desc.block_type.shape)[0]
         BLOCK_N: gl.constexpr = _tile_shape(k_desc.block_type.shape)[0]
@@ -621,11 +604,11 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qm_layout)
-        # dS^T [iteration % 2, all keys, queries] (hd256: [warpgroup, keys, queries]) and, for the reducer, dQ_i in
-        # fp32 [iteration % 2, queries, head dim]
+        # dS^T [iteration % 2, all keys, queries] (hd256: [warpgroup, keys, queries]) and, up to hd128, dQ_i in fp32
+        # [iteration % 2, queries, head dim]
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        if OWN_DQ:  # no fp32 dQ tiles (`_consumer`): a stand-in, never read
+        if HEAD_DIM > 128:  # no room for fp32 dQ tiles (`_consumer`): a stand-in, never read
             dq_smem = ds_smem
         else:
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
@@ -650,19 +633,19 @@ if HAS_GLUON:
                          hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
                          diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 0, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
-                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM, OWN_DQ)),
+                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b,
                          hk, h0,
                          n0, m_start, m_end, n_iters, seq_q, seq_k, num_heads, num_kv_heads, qk_scale, sm_scale, diag,
                          diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, 1, HEAD_DIM, BLOCK_M, CAUSAL, STAGES,
-                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM, OWN_DQ)),
+                         KV_REGS, MASK_MODE, WINDOW, SOFTCAP, ALIBI, OUT_DIM)),
             (_loader_reducer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, dq_smem, kv_ready,
                                ready, empty, dq_full, dq_empty, dq_ptr, dq_turns, b, hk, h0, n0, m_start, m_end,
                                n_iters, seq_q, seq_k, num_heads, km_ptr, km_b, km_plane, diag, diag_lo, q_row_b,
                                q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, v_row_b, v_row_h, v_col_h, do_row_b,
                                do_row_h, do_col_h, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, MASK_MODE, WINDOW,
-                               DETERMINISTIC, OUT_DIM, OWN_DQ)),
+                               DETERMINISTIC, OUT_DIM)),
         ], [4, 4], _WS_REGS)
 
 
@@ -676,8 +659,7 @@ def kernel_args(head_dim: int, causal: bool, variant: str, mask_mode: int = 0, w
     return _attn_bwd_kernel, dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), STAGES=cfg.stages[head_dim],
                                   KV_REGS=head_dim in cfg.kv_in_registers, MASK_MODE=mask_mode, WINDOW=bool(window),
                                   SOFTCAP=bool(softcap), ALIBI=int(alibi), DETERMINISTIC=bool(deterministic),
-                                  DIM=dim if dim is not None and dim != head_dim else 0,
-                                  OWN_DQ=head_dim in cfg.own_dq)
+                                  DIM=dim if dim is not None and dim != head_dim else 0)
 
 
 def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
@@ -730,12 +712,11 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
     tile = _fwd.tile_dim(q.shape[-1], HEAD_DIMS)
+    if deterministic and not deterministic_supported(tile):
+        raise ValueError(f"deterministic=True is not supported at head dim {q.shape[-1]} (its dQ is added from two "
+                         f"warpgroups in arrival order); use flash_attention_backward, which is deterministic")
     variant = variant or DEFAULT_VARIANTS[tile]
     cfg = launch(variant)
-    if deterministic and not deterministic_supported(tile, variant):
-        raise ValueError(f"deterministic=True is not supported at head dim {q.shape[-1]} with variant {variant!r} "
-                         f"(its dQ is added from two warpgroups in arrival order); use flash_attention_backward, "
-                         f"which is deterministic")
     from .flash_attention import _bwd_preprocess, _strides4  # the plain-Triton preprocess (delta, lse2)
 
     B, Sq, Hq, D = q.shape
