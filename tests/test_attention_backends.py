@@ -392,12 +392,14 @@ def _triton_as_gluon_forward(q, k, v, key_mask, segments, slopes, causal, scale,
                                    window_size=(left, right), softcap=cap, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("path", ["eager", "op"])
 @pytest.mark.parametrize("mask", ["none", "key_mask", "segments", "window_softcap", "alibi_key_mask"])
-def test_gluon_op_shapes_and_gradients(monkeypatch, mask):
-    # the custom ops' fake shapes, and their autograd with the masks, window, soft-cap and ALiBi passed through to the
-    # backward op. The Gluon kernels need a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for
-    # the Gluon forward, and the backward op falls back to the Triton backward by itself
-    # (`gluon_attention_bwd.supported`: no GPU).
+def test_gluon_op_shapes_and_gradients(monkeypatch, mask, path):
+    # the custom ops' fake shapes, and gradients with the masks, window, soft-cap and ALiBi passed through to the
+    # backward: eagerly through `ops._EagerAttention`, and through the ops' registered autograd (what compiled graphs
+    # run). The Gluon kernels need a Hopper GPU (tests/gpu); here the interpreted Triton forward stands in for the
+    # Gluon forward, and the backward falls back to the Triton backward by itself (`gluon_attention_bwd.supported`:
+    # no GPU).
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hf_fastpath.attention import ops
@@ -417,7 +419,15 @@ def test_gluon_op_shapes_and_gradients(monkeypatch, mask):
              "window_softcap": dict(window_size=(3, -1), softcap=1.5),
              "alibi_key_mask": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
                                     key_mask=torch.tensor([[1] * 9, [0] * 3 + [1] * 6]))}[mask]
-    out, _ = ops.gluon_attn(q, k, v, AttentionParams(causal=True, softmax_scale=0.3, **masks))
+    params = AttentionParams(causal=True, softmax_scale=0.3, **masks)
+    if path == "eager":
+        out, _ = ops.gluon_attn(q, k, v, params)
+        assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    else:
+        left, right = params.window_size
+        out, _ = ops.gluon_attn_forward(q, k, v, params.key_mask, params.segments, params.alibi_slopes, True, 0.3,
+                                        left, right, float(params.softcap))
+        assert "_EagerAttention" not in type(out.grad_fn).__name__
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -159,3 +159,16 @@ def test_constexpr_parameters_must_come_last():
 def test_interpreted_kernels_always_take_tritons_path():
     fn = triton.jit(_kernel)  # an InterpretedFunction under TRITON_INTERPRET=1 (the CPU test suite)
     assert not launch.LaunchCache(fn).enabled
+
+
+def test_launch_cached_keeps_a_cache_per_kernel_keyed_by_meta(cache, monkeypatch):
+    # the attention launchers' entry point: fn's cache, meta's items as the key, so other constexprs compile anew
+    c, slow, fast = cache
+    monkeypatch.setattr(launch, "_CACHES", {c.fn: c})
+    for block in (32, 32, 64, 64):
+        launch.launch_cached(c.fn, (1,), _args(), dict(BLOCK=block, num_warps=4))
+    assert len(slow) == 2 and [f[-2] for f in fast] == [32, 64]
+    other = JITFunction(_kernel)
+    monkeypatch.setattr(other, "run", lambda *a, grid, warmup, **kw: slow.append(grid))
+    launch.launch_cached(other, (7,), _args(), dict(BLOCK=32))
+    assert slow[-1] == (7,) and isinstance(launch._CACHES[other], launch.LaunchCache)

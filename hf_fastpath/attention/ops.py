@@ -59,6 +59,17 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
     return out, lse
 
 
+def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                   seqused_k, key_mask, segments, causal, softmax_scale, window_left, window_right, softcap,
+                   fp8_products=False):
+    cu_q, cu_k = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    return flash_attention_backward(dout.contiguous(), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
+                                    max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right),
+                                    softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
+                                    key_mask=key_mask, segments=segments, fp8_products=fp8_products)
+
+
 @torch.library.custom_op("hf_fastpath::flash_attn_backward", mutates_args=())
 def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
@@ -66,12 +77,9 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         key_mask: Optional[Tensor], segments: Optional[Tensor], causal: bool, softmax_scale: float,
                         window_left: int, window_right: int, softcap: float,
                         fp8_products: bool) -> tuple[Tensor, Tensor, Tensor]:
-    cu_q, cu_k = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    return flash_attention_backward(dout.contiguous(), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
-                                    max_seqlen_k=max_seqlen_k, window_size=(window_left, window_right),
-                                    softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-                                    key_mask=key_mask, segments=segments, fp8_products=fp8_products)
+    return _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          alibi_slopes, seqused_k, key_mask, segments, causal, softmax_scale, window_left,
+                          window_right, softcap, fp8_products)
 
 
 @flash_attn_backward.register_fake
@@ -99,6 +107,39 @@ def _backward(ctx, dout, _dlse):
 flash_attn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """Eager training through the kernels' Python entry points, without the custom ops: their autograd layer
+    (`register_autograd`: argument defaults filled, schema and alias checks, per op call) took 0.3 ms of host time
+    in the forward and 0.65 ms in the backward on the H200's host (torch 2.11; session 27,
+    benchmarks/results/archive/attention_host_time_s27.txt), more than both kernels take at 1k tokens. Compiled
+    graphs keep the ops. `forward(q, k, v, *rest)` / `backward(dout, q, k, v, out, lse, *rest)`: the op bodies, whose
+    arguments after q, k, v (resp. lse) are the same `rest`."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, q, k, v, *rest):
+        out, lse = forward(q, k, v, *rest)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backward_fn, ctx.rest = backward, rest
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        dq, dk, dv = ctx.backward_fn(dout, *ctx.saved_tensors, *ctx.rest)
+        return (None, None, dq, dk, dv) + (None,) * len(ctx.rest)
+
+
+def _differentiable(forward, backward, op, args):
+    """`op(*args)` when compiling; eagerly, the kernels through `_EagerAttention` when q, k or v needs a gradient,
+    else `forward` alone (decoding: the op's dispatch would add ~20 µs of host time a call)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    q, k, v = args[:3]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(forward, backward, *args)
+    return forward(*args)
+
+
 def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
     """Differentiable `(out, lse)` through the ops, for `params` (or the keyword arguments of `make_params`).
     Varlen calls should carry `max_seqlen_q/k` (else one host read)."""
@@ -110,10 +151,7 @@ def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
     left, right = p.window_size
     args = (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, int(max_q or 0), int(max_k or 0), p.alibi_slopes, p.seqused_k,
             p.key_mask, p.segments, p.causal, p.softmax_scale, int(left), int(right), p.softcap)
-    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                               or v.requires_grad)):
-        return _forward(*args)  # eager inference (decoding): the op's dispatch would add ~20 µs of host time a call
-    return flash_attn_forward(*args)
+    return _differentiable(_forward, _backward_impl, flash_attn_forward, args)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,7 +261,4 @@ def gluon_attn(q, k, v, params: AttentionParams):
     left, right = params.window_size
     args = (q, k, v, params.key_mask, params.segments, params.alibi_slopes, params.causal, params.softmax_scale,
             int(left), int(right), float(params.softcap))
-    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                               or v.requires_grad)):
-        return _gluon_forward(*args)
-    return gluon_attn_forward(*args)
+    return _differentiable(_gluon_forward, _gluon_backward, gluon_attn_forward, args)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import cdiv, interpreting, next_pow2
 from .device import compute_major, num_sms, on_input_device
-from .launch import LaunchCache
+from .launch import LaunchCache, launch_cached
 from .row_quant import _to_e4m3, quantize_e4m3_rows
 from .split_kv import merge_splits
 
@@ -997,14 +997,13 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         kd, vd = _kv_descriptor(k, bn, bdk), _kv_descriptor(v, bn, bdv)
     if kd is not None and vd is not None:  # bulk tensor copies (prefill on Hopper)
         try:
-            _fwd_kernel[grid](q, kd, vd, *head, *tail, USE_TMA=True, **meta)
+            _FWD_LAUNCH.launch(grid, (q, kd, vd, *head, *tail), dict(USE_TMA=True, **meta), (True, *meta.values()))
         except triton.runtime.errors.OutOfResources:  # TMA staging buffers too large: plain loads instead
             _TMA_FAILED.add(tma_key)
             kd = None
     if kd is None or vd is None:
         # decoding calls this once per layer and token: launch the compiled kernel directly (kernels/launch.py)
-        _FWD_LAUNCH.launch(grid, (q, k, v, *head, *tail), dict(USE_TMA=False, **meta),
-                           tuple(meta.values()))
+        _FWD_LAUNCH.launch(grid, (q, k, v, *head, *tail), dict(USE_TMA=False, **meta), (False, *meta.values()))
     if splits > 1:
         merge_splits(o_dst, l_dst, out, lse, num_splits=splits, part_strides=(o_dst.stride(0), o_dst.stride(3)),
                      lse_part_strides=(l_dst.stride(0), 1), lse_log2=False)
@@ -1050,9 +1049,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     lse2 = torch.empty_like(lse)
     l_strides = _lse_strides(lse, varlen)
     pre_bm = 64 if not interpreting() else 16
-    _bwd_preprocess[(cdiv(mq, pre_bm), hq, batch)](
-        out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides, dense_q,
-        D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen)
+    launch_cached(_bwd_preprocess, (cdiv(mq, pre_bm), hq, batch),
+                  (out, dout, lse, delta, lse2, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *l_strides,
+                   dense_q),
+                  dict(D_V=d_v, BLOCK_DV=bdv, BLOCK_M=pre_bm, IS_VARLEN=varlen))
     common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=bdk, BLOCK_DV=bdv, IS_VARLEN=varlen,
                   HAS_SEQUSED=seqused_k is not None, MASK_MODE=mask_mode, **flags)
     masks = (q if seqused_k is None else seqused_k, q if key_mask is None else key_mask)
@@ -1066,19 +1066,17 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
     suffix = "_fp8" if fp8_products else ""
     fp32 = q.dtype == torch.float32
     bm, bn, warps, stages = _config("dkdv" + suffix, bdmax, fp32=fp32)
-    _bwd_dkdv_kernel[(cdiv(mk, bn), hkv, batch)](
-        q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *masks, *fp8,
-        *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-        *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane,
-        dense_q, dense_k, hq // hkv,
-        scale, scale * LOG2E, float(softcap), left, right,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    launch_cached(_bwd_dkdv_kernel, (cdiv(mk, bn), hkv, batch),
+                  (q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, sl, *masks, *fp8,
+                   *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+                   *_strides4(dk, varlen), *_strides4(dv, varlen), *l_strides, stride_slope_b, stride_mask_b,
+                   stride_mask_plane, dense_q, dense_k, hq // hkv, scale, scale * LOG2E, float(softcap), left, right),
+                  dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     bm, bn, warps, stages = _config("dq" + suffix, bdmax, fp32=fp32)
-    _bwd_dq_kernel[(cdiv(mq, bm), hq, batch)](
-        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *masks, *fp8_k,
-        *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-        *_strides4(dq, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q, dense_k,
-        hq // hkv,
-        scale, scale * LOG2E, float(softcap), left, right,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    launch_cached(_bwd_dq_kernel, (cdiv(mq, bm), hq, batch),
+                  (q, k, v, dout, lse2, delta, dq, cu_q, cu_k, sl, *masks, *fp8_k,
+                   *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+                   *_strides4(dq, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q,
+                   dense_k, hq // hkv, scale, scale * LOG2E, float(softcap), left, right),
+                  dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     return dq, dk, dv

@@ -50,6 +50,7 @@ import triton
 
 from .common import derived_once, next_pow2, nvmma_layout
 from .device import compute_major, on_input_device
+from .launch import launch_cached
 from .flash_attention import _key_mask_arg, _slopes, _window
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
@@ -869,8 +870,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         tail = (diag + max(right, 0), diag - left, cap_scale, slopes, slopes_b, diag)
     # persistent: one CTA per SM at most (one fits per SM), each loops over work items
     grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
-    kernel[grid](q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
-                 kv_row_b, kv_row_h, kv_col_h, qk_scale, *tail, **meta, num_warps=4, maxnreg=MAXNREG)
+    launch_cached(kernel, grid, (q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
+                                 kv_row_b, kv_row_h, kv_col_h, qk_scale, *tail),
+                  dict(meta, num_warps=4, maxnreg=MAXNREG))
     return out, lse
 
 

@@ -58,6 +58,7 @@ import triton
 
 from . import gluon_attention as _fwd
 from .device import on_input_device
+from .launch import launch_cached
 from .gluon_attention import HAS_GLUON, LOG2E
 
 if HAS_GLUON:
@@ -735,9 +736,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     pre_bm = 64
-    _bwd_preprocess[(triton.cdiv(Sq, pre_bm), Hq, B)](
-        out, dout, lse, delta, lse2, q, *_strides4(out, False), *_strides4(dout, False),
-        lse.stride(0), lse.stride(1), lse.stride(2), Sq, D_V=D, BLOCK_DV=tile, BLOCK_M=pre_bm, IS_VARLEN=False)
+    launch_cached(_bwd_preprocess, (triton.cdiv(Sq, pre_bm), Hq, B),
+                  (out, dout, lse, delta, lse2, q, *_strides4(out, False), *_strides4(dout, False), lse.stride(0),
+                   lse.stride(1), lse.stride(2), Sq), dict(D_V=D, BLOCK_DV=tile, BLOCK_M=pre_bm, IS_VARLEN=False))
 
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q2, q_map = _fwd.tile_view(q, tile)
@@ -760,10 +761,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dq_turns = torch.zeros(B, Hq, triton.cdiv(Sq, block_m), device=q.device, dtype=torch.int32) \
         if deterministic else None
     grid = (triton.cdiv(Sk, bn), B * Hkv)
-    kernel[grid](q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dq_turns, dk, dv, km, km_b, km_plane, Sq, Sk,
-                 Hq, Hkv, Hq // Hkv,
-                 *q_map, *k_map, *v_map, *do_map, qk_scale, softmax_scale, Sk - Sq + max(right, 0), Sk - Sq - left,
-                 cap_scale, slopes, slopes_b, Sk - Sq, **meta,
-                 num_warps=4, maxnreg=MAXNREG)
+    launch_cached(kernel, grid, (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dq_turns, dk, dv, km, km_b,
+                                 km_plane, Sq, Sk, Hq, Hkv, Hq // Hkv, *q_map, *k_map, *v_map, *do_map, qk_scale,
+                                 softmax_scale, Sk - Sq + max(right, 0), Sk - Sq - left, cap_scale, slopes, slopes_b,
+                                 Sk - Sq),
+                  dict(meta, num_warps=4, maxnreg=MAXNREG))
     torch.mul(dq_acc, softmax_scale, out=dq)  # one pass: scaled and cast
     return dq, dk, dv

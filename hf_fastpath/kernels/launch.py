@@ -26,7 +26,7 @@ from triton.runtime.jit import JITFunction
 
 from .device import current_stream as _current_stream
 
-__all__ = ["LaunchCache"]
+__all__ = ["LaunchCache", "launch_cached"]
 
 
 def _direct_launch_supported() -> bool:
@@ -112,3 +112,14 @@ class LaunchCache:
         gx, gy, gz = (*grid, 1, 1)[:3]
         kernel.run(gx, gy, gz, _current_stream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *args, *constexprs)
+
+
+_CACHES: dict = {}
+
+
+def launch_cached(fn, grid, args: tuple, meta: dict) -> None:
+    """`fn[grid](*args, **meta)` through `fn`'s own LaunchCache, keyed by meta's items (hashable values)."""
+    cache = _CACHES.get(fn)
+    if cache is None:
+        cache = _CACHES[fn] = LaunchCache(fn)
+    cache.launch(grid, args, meta, tuple(meta.items()))
