@@ -2,8 +2,10 @@
 
 Dynamo cannot trace a Triton launch (host-side specialization, launch caches, TMA descriptors); a custom op is opaque
 to it, its fake implementation gives the output shapes, and `register_autograd` puts forward and backward into one
-compiled graph. Nothing here reads a tensor's values on the host: varlen lengths come as ints, static-cache lengths
-as the `seqused_k` tensor, padding as the `key_mask` tensor, packed sequences as the `segments` table.
+compiled graph. Eagerly the ops' dispatch and autograd layer only cost host time, so training runs the same kernels
+through `_EagerAttention` and inference calls them directly. Nothing here reads a tensor's values on the host:
+varlen lengths come as ints, static-cache lengths as the `seqused_k` tensor, padding as the `key_mask` tensor, packed
+sequences as the `segments` table.
 
     out, lse = torch.ops.hf_fastpath.flash_attn_forward(q, k, v, ...)
 

@@ -92,7 +92,7 @@ class Launch(NamedTuple):
 # (32-row tiles, partial dQ^T summed by the reducer), a 2- or 4-slot ring at hd64 (within 2% of 3 slots). The table
 # stays for the next experiments. Session 27: "own_dq" (each consumer adds dQ_i = dS . K over its own 64 keys from
 # its accumulator at hd64 / hd128, as hd256 does: no ds_ready lockstep, no reducer, a third Q / dO slot at hd128)
-# ran at 0.64-0.72x "split" (docs/attention.md; removed, commit 4ec7344 has it).
+# ran at 0.62-0.76x "split" (docs/attention.md; removed, commit 4ec7344 has it).
 VARIANTS = {"split": Launch({64: 64, 128: 64, 256: 64}, {64: 3, 128: 2, 256: 2}, (64, ))}
 DEFAULT_VARIANTS = {64: "split", 128: "split", 256: "split"}
 
