@@ -143,8 +143,8 @@ def _differentiable(forward, backward, op, args):
 
 
 def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
-    """Differentiable `(out, lse)` through the ops, for `params` (or the keyword arguments of `make_params`).
-    Varlen calls should carry `max_seqlen_q/k` (else one host read)."""
+    """Differentiable `(out, lse)` (`_differentiable`: the ops when compiling), for `params` (or the keyword
+    arguments of `make_params`). Varlen calls should carry `max_seqlen_q/k` (else one host read)."""
     p = params if params is not None else make_params(q, k, v, **kwargs)
     max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
     if p.varlen and (max_q is None or max_k is None):
