@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import sys
-import time
 
 import torch
 
@@ -108,13 +107,9 @@ def _time(fn, graph=False):
 def _host_ms(fn, calls=20):
     """Host time a call takes to enqueue its work (the GPU not awaited). Near the row's timed ms, the row measures
     the host (Python, launches, or a hidden sync), not the kernels."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e3
-    torch.cuda.synchronize()
-    return host
+    from benchmarks.host_time import host_and_wall
+
+    return host_and_wall(fn, calls)[0] * 1e3
 
 
 def _try(label, fn, graph=False):

@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -23,15 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def _host_wall(fn, calls=500):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return round(host, 1), round((time.perf_counter() - t0) / calls * 1e6, 1)
+    from benchmarks.host_time import host_and_wall
+
+    return tuple(round(t * 1e6, 1) for t in host_and_wall(fn, calls, warmup=50))
 
 
 def check_w4a16():

@@ -50,8 +50,8 @@ import triton
 
 from .common import derived_once, next_pow2, nvmma_layout
 from .device import compute_major, on_input_device
-from .launch import launch_cached
 from .flash_attention import _key_mask_arg, _slopes, _window
+from .launch import launch_cached
 
 try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` says no and nothing is compiled
     from triton.experimental import gluon

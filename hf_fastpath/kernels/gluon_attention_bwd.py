@@ -58,8 +58,8 @@ import triton
 
 from . import gluon_attention as _fwd
 from .device import on_input_device
-from .launch import launch_cached
 from .gluon_attention import HAS_GLUON, LOG2E
+from .launch import launch_cached
 
 if HAS_GLUON:
     from triton.experimental import gluon
