@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import cdiv, interpreting, next_pow2
 from .device import compute_major, num_sms, on_input_device
-from .launch import LaunchCache, launch_cached
+from .launch import launch_cached
 from .row_quant import _to_e4m3, quantize_e4m3_rows
 from .split_kv import merge_splits
 
@@ -928,9 +928,6 @@ def _seqused_arg(seqused_k, batch, device):
     return seqused_k.to(torch.int32).contiguous()
 
 
-_FWD_LAUNCH = LaunchCache(_fwd_kernel)
-
-
 @on_input_device
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, window_size=(-1, -1), softcap=0.0,
@@ -997,13 +994,13 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         kd, vd = _kv_descriptor(k, bn, bdk), _kv_descriptor(v, bn, bdv)
     if kd is not None and vd is not None:  # bulk tensor copies (prefill on Hopper)
         try:
-            _FWD_LAUNCH.launch(grid, (q, kd, vd, *head, *tail), dict(USE_TMA=True, **meta), (True, *meta.values()))
+            launch_cached(_fwd_kernel, grid, (q, kd, vd, *head, *tail), dict(USE_TMA=True, **meta))
         except triton.runtime.errors.OutOfResources:  # TMA staging buffers too large: plain loads instead
             _TMA_FAILED.add(tma_key)
             kd = None
     if kd is None or vd is None:
         # decoding calls this once per layer and token: launch the compiled kernel directly (kernels/launch.py)
-        _FWD_LAUNCH.launch(grid, (q, k, v, *head, *tail), dict(USE_TMA=False, **meta), (False, *meta.values()))
+        launch_cached(_fwd_kernel, grid, (q, k, v, *head, *tail), dict(USE_TMA=False, **meta))
     if splits > 1:
         merge_splits(o_dst, l_dst, out, lse, num_splits=splits, part_strides=(o_dst.stride(0), o_dst.stride(3)),
                      lse_part_strides=(l_dst.stride(0), 1), lse_log2=False)
