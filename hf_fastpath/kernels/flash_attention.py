@@ -992,6 +992,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     kd = vd = None
     if not decode and tma_key not in _TMA_FAILED and _use_tma(q, d_qk, d_v, bdk, bdv):
         kd, vd = _kv_descriptor(k, bn, bdk), _kv_descriptor(v, bn, bdv)
+    # both launches skip Triton's per-call specialization (kernels/launch.py): decoding calls this once per layer
+    # and token
     if kd is not None and vd is not None:  # bulk tensor copies (prefill on Hopper)
         try:
             launch_cached(_fwd_kernel, grid, (q, kd, vd, *head, *tail), dict(USE_TMA=True, **meta))
@@ -999,7 +1001,6 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
             _TMA_FAILED.add(tma_key)
             kd = None
     if kd is None or vd is None:
-        # decoding calls this once per layer and token: launch the compiled kernel directly (kernels/launch.py)
         launch_cached(_fwd_kernel, grid, (q, k, v, *head, *tail), dict(USE_TMA=False, **meta))
     if splits > 1:
         merge_splits(o_dst, l_dst, out, lse, num_splits=splits, part_strides=(o_dst.stride(0), o_dst.stride(3)),
