@@ -61,8 +61,10 @@ def check_lowbit_decode():
     GQA, 1 to 4097 cached tokens, every format and both FP4 kernels; then host µs per call at 32k tokens."""
     from hf_fastpath.kernels import lowbit_decode as ld
     from hf_fastpath.kernels import lowbit_quant as lq
+    from hf_fastpath.kernels import split_kv
+    from hf_fastpath.kernels.launch import cache_of
 
-    caches = (ld._FP4_LAUNCH, ld._SPLIT_LAUNCH, ld._COMBINE_LAUNCH)
+    caches = [cache_of(fn) for fn in (ld._decode_fp4_kernel, ld._decode_split_kernel, split_kv._merge_kernel)]
 
     def use_cache(on):
         for c in caches:

@@ -26,7 +26,7 @@ from triton.runtime.jit import JITFunction
 
 from .device import current_stream as _current_stream
 
-__all__ = ["LaunchCache", "launch_cached"]
+__all__ = ["LaunchCache", "cache_of", "launch_cached"]
 
 
 def _direct_launch_supported() -> bool:
@@ -41,8 +41,6 @@ _SUPPORTED = _direct_launch_supported()
 
 def _current_device() -> int:
     return triton.runtime.driver.active.get_current_device()
-
-
 
 
 class _Unkeyed(Exception):
@@ -117,9 +115,14 @@ class LaunchCache:
 _CACHES: dict = {}
 
 
-def launch_cached(fn, grid, args: tuple, meta: dict) -> None:
-    """`fn[grid](*args, **meta)` through `fn`'s own LaunchCache, keyed by meta's items (hashable values)."""
+def cache_of(fn) -> LaunchCache:
+    """`fn`'s own LaunchCache, the one `launch_cached` uses (benchmarks switch it off through `.enabled`)."""
     cache = _CACHES.get(fn)
     if cache is None:
         cache = _CACHES[fn] = LaunchCache(fn)
-    cache.launch(grid, args, meta, tuple(meta.items()))
+    return cache
+
+
+def launch_cached(fn, grid, args: tuple, meta: dict) -> None:
+    """`fn[grid](*args, **meta)` through `fn`'s own LaunchCache, keyed by meta's items (hashable values)."""
+    cache_of(fn).launch(grid, args, meta, tuple(meta.items()))

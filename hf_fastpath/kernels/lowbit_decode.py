@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import lowbit_quant as lq
 from .device import num_sms, on_input_device
-from .launch import LaunchCache
+from .launch import launch_cached
 from .split_kv import merge_splits
 from .common import cdiv, interpreting, next_pow2
 
@@ -321,10 +321,6 @@ DECODE_FORMAT_DEFAULTS = {"mxfp4": {"block_n": 64, "num_warps": 2, "num_stages":
 DECODE_CONFIG_OVERRIDE: dict = {}  # fmt -> dict with any of the keys above
 
 
-_FP4_LAUNCH = LaunchCache(_decode_fp4_kernel)
-_SPLIT_LAUNCH = LaunchCache(_decode_split_kernel)
-
-
 def _settings(fmt: str) -> dict:
     return {**DECODE_CONFIG, **DECODE_FORMAT_DEFAULTS.get(fmt, {}), **DECODE_CONFIG_OVERRIDE.get(fmt, {})}
 
@@ -383,10 +379,10 @@ def lowbit_decode(q, k_cache, v_cache, kv_len, *, fmt, softmax_scale=None, num_s
         nb = d // block
         meta = dict(common, G_PAD=max(next_pow2(g), cdiv(16, nb)), UNPACK=cfg["unpack"], RECODED=recoded,
                     num_warps=cfg["num_warps"], num_stages=stages)
-        _FP4_LAUNCH.launch((b * hkv, splits), args, meta, tuple(meta.values()))
+        launch_cached(_decode_fp4_kernel, (b * hkv, splits), args, meta)
     else:
         meta = dict(common, G_PAD=g_pad, num_warps=cfg["num_warps"], num_stages=stages)
-        _SPLIT_LAUNCH.launch((b * hkv, splits), args, meta, tuple(meta.values()))
+        launch_cached(_decode_split_kernel, (b * hkv, splits), args, meta)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     merge_splits(o_part, l_part, out.view(b, 1, hq, d), lse.view(b, hq, 1), num_splits=splits,

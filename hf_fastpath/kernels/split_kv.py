@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import next_pow2
-from .launch import LaunchCache
+from .launch import launch_cached
 
 __all__ = ["merge_splits"]
 
@@ -47,9 +47,6 @@ def _merge_kernel(O_PART, L_PART, O, LSE, num_splits, num_heads, seqlen_q,
     tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_ls, lse)
 
 
-_MERGE_LAUNCH = LaunchCache(_merge_kernel)
-
-
 def merge_splits(o_part, l_part, out, lse, *, num_splits: int, part_strides, lse_part_strides, lse_log2: bool):
     """Merge `num_splits` partials into out `[B, Sq, H, D]` (any strides: row (b, i, h)) and lse `[B, H, Sq]`.
     `part_strides` / `lse_part_strides`: (split stride, row stride) of o_part / l_part, rows numbered
@@ -59,4 +56,4 @@ def merge_splits(o_part, l_part, out, lse, *, num_splits: int, part_strides, lse
     args = (o_part, l_part, out, lse, num_splits, heads, sq, *part_strides, *lse_part_strides, out.stride(0),
             out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2))
     meta = dict(D=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_SPLITS=block_splits, LSE_LOG2=lse_log2, num_warps=4)
-    _MERGE_LAUNCH.launch((batch * heads * sq,), args, meta, tuple(meta.values()))
+    launch_cached(_merge_kernel, (batch * heads * sq,), args, meta)
