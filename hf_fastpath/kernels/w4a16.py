@@ -751,8 +751,10 @@ def _decode_config(m: int, k: int, n: int, interpret: bool, tile_groups: bool, p
         return dict(BLOCK_M=rows, BLOCK_N=256, num_warps=2, num_stages=3, per_sm=2, mode="factored")
     if small and m == 1:
         return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
-    if small:
-        return dict(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, per_sm=2, mode="factored")
+    if small:  # 2-8 rows of narrower layers: 1.05-1.16x the 8-row, 256-column, 4-warp tile that ran here before
+        # (session 29, archive/w4a16_small_m_confirm_s29.json: 4096^2 and 14336 x 4096, interleaved rounds)
+        return dict(BLOCK_M=2 if m == 2 else 4 if m <= 4 else 8, BLOCK_N=128, num_warps=2, num_stages=3, per_sm=2,
+                    mode="factored")
     # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2). From 33 rows, 64-row tiles dotting the exact q - z
     # operand, scaled after the dot: 10-25% faster than dequantizing in the loop (session 4, archive/w4a16_sweep_s4.json).
     if m <= 32:
