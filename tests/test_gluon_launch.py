@@ -188,3 +188,42 @@ def test_w4a16_launch(monkeypatch, m, group_size, n):
     assert bound["STAGES"] == stages and bound["PLANE_GROUPS"] == (group_size in gw.PLANE_GROUP_SIZES)
     splits = bound["y_ptr"].shape[0] if bound["y_ptr"].dim() == 3 else 1  # fp32 partials per K split
     assert grid[0] == -(-n // gw.BLOCK_N) * -(-m // block_m) * splits
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 14336, 4096), (16, 4096, 4096), (5, 264, 512)])
+def test_w4a16_two_ctas_per_sm_launch(monkeypatch, m, n, k):
+    # ctas_per_sm=2: TWO_PER_SM's stages, registers and maxnreg reach the launch, and K splits fill twice the slots
+    from hf_fastpath.kernels import gluon_w4a16 as gw
+
+    calls = []
+    monkeypatch.setattr(gw, "_LAUNCH", types.SimpleNamespace(launch=lambda *a: calls.append(a)))
+    monkeypatch.setattr(gw, "_num_sms", lambda device: 132)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    scales = zeros = torch.ones(k // 128, n, dtype=torch.bfloat16)
+    for ctas in (1, 2):
+        gw.gluon_w4a16_matmul_rows(x, qweight, scales, zeros, 128, ctas_per_sm=ctas)
+    (grid1, args1, meta1, key1), (grid2, args2, meta2, key2) = calls
+    assert (meta1["STAGES"], meta1["CONSUMER_REGS"], meta1["maxnreg"]) == (16, gw.CONSUMER_REGS, gw.MAXNREG)
+    two = gw.TWO_PER_SM
+    assert (meta2["STAGES"], meta2["CONSUMER_REGS"], meta2["maxnreg"]) == (two["stages"], two["consumer_regs"],
+                                                                         two["maxnreg"])
+    assert key1 != key2  # the launch cache must not hand one configuration's kernel to the other
+    tiles, k_tiles = -(-n // gw.BLOCK_N), k // gw.BLOCK_K
+    assert grid1[0] == tiles * -(-k_tiles // gw._split_chunk(tiles, k_tiles, 132))
+    assert grid2[0] == tiles * -(-k_tiles // gw._split_chunk(tiles, k_tiles, 264))
+    if (m, n, k) == (1, 14336, 4096):  # 112 column tiles: one wave alone, two K splits at two CTAs per SM
+        assert (grid1[0], grid2[0]) == (112, 224)
+
+
+@pytest.mark.parametrize("m, group_size, scales_by, ctas", [(17, 128, "auto", 2), (1, 32, "auto", 2),
+                                                            (1, 128, "load", 2), (1, 128, "auto", 3)])
+def test_w4a16_two_ctas_per_sm_rejects(m, group_size, scales_by, ctas):
+    from hf_fastpath.kernels import gluon_w4a16 as gw
+
+    k, n = 512, 256
+    x = torch.randn(m, k).to(torch.bfloat16)
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    scales = zeros = torch.ones(k // group_size, n, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="ctas_per_sm must be 1, or 2 for at most 16 rows"):
+        gw.gluon_w4a16_matmul_rows(x, qweight, scales, zeros, group_size, scales_by=scales_by, ctas_per_sm=ctas)
