@@ -116,9 +116,6 @@ def bench(shapes, ms, gen, on_row=lambda rows: None):
                 "gluon_plain_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, unpack="plain"), layers),
                 "gluon_load_us": _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, scales_by="load"), layers),
             }
-            if m <= 16:  # the opt-in two-CTAs-per-SM launch (`ctas_per_sm=2`: 16-row tiles only)
-                cases["gluon_2per_sm_us"] = _cycle(lambda L, x=x: gluon_w4a16_matmul(x, *L, GROUP, ctas_per_sm=2),
-                                                   layers)
             for key, fn in cases.items():
                 try:
                     fn()
@@ -134,8 +131,6 @@ def bench(shapes, ms, gen, on_row=lambda rows: None):
                 row["triton_vs_cublas"] = row["cublas_us"] / row["triton_us"]
             if "gluon_load_us" in row and "gluon_us" in row:
                 row["gluon_vs_gluon_load"] = row["gluon_load_us"] / row["gluon_us"]
-            if "gluon_2per_sm_us" in row and "fused_us" in row:
-                row["gluon_2per_sm_vs_fused"] = row["fused_us"] / row["gluon_2per_sm_us"]
             if "gluon_plain_us" in row and "cublas_us" in row:
                 row["gluon_plain_vs_cublas"] = row["cublas_us"] / row["gluon_plain_us"]
             row["gluon_tflops"] = 2 * m * k * n / row["gluon_us"] / 1e6 if "gluon_us" in row else None

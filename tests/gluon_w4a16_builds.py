@@ -20,16 +20,15 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 
 
 def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=False, scales_tma=False,
-          segmented=False, two_per_sm=False):
+          segmented=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gw._w4a16_kernel
     elem = gw.gl.bfloat16 if dtype == torch.bfloat16 else gw.gl.float16
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
-    regs = gw.TWO_PER_SM if two_per_sm else dict(maxnreg=gw.MAXNREG, consumer_regs=gw.CONSUMER_REGS)
     constexprs = dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=gw.GROUP_M, SCALES_TMA=scales_tma,
-                      SEGMENTED=segmented, CONSUMER_REGS=regs["consumer_regs"])
+                      SEGMENTED=segmented)
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
@@ -50,13 +49,13 @@ def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=F
             sig[p.name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=regs["maxnreg"]))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=gw.MAXNREG))
 
 
 def cases():
     """Every launch configuration `gluon_w4a16_matmul` can pick (config(m) for each M bucket), both group modes,
-    both unpack paths, split-K's fp32 output, scales by TMA, segments, two CTAs per SM: (name, block_m, stages,
-    plane_groups, dtype, ptx, split[, scales_tma[, segmented[, two_per_sm]]])."""
+    both unpack paths, split-K's fp32 output, scales by TMA, segments: (name, block_m, stages, plane_groups, dtype,
+    ptx, split[, scales_tma[, segmented]])."""
     seen = set()
     for m in (1, 32, 64, 4096):
         block_m, stages = gw.config(m)
@@ -82,10 +81,6 @@ def cases():
         block_m, stages = gw.config(m)
         yield f"m{block_m} s{stages} g128 bf16 split tma segmented", block_m, stages, False, torch.bfloat16, True, \
             True, True, True
-    block_m, stages = gw.config(1)[0], gw.TWO_PER_SM["stages"]  # ctas_per_sm=2: 16-row tiles, scales by TMA
-    for dtype, split in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)):
-        name = f"m{block_m} s{stages} g128 {'bf16' if dtype == torch.bfloat16 else 'fp16'}{' split' if split else ''}"
-        yield f"{name} tma 2/sm", block_m, stages, False, dtype, True, split, True, False, True
 
 
 def main():

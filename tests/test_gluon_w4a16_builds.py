@@ -39,8 +39,6 @@ def test_gluon_w4a16_builds_for_sm90(builds):
     assert {f"{t} g128 bf16" for t in tiles} | {f"{t} g128 bf16 tma" for t in tiles} <= names
     big = "m%d s%d" % gw.config(4096)
     assert {f"{big} g64 fp16", f"{big} g128 bf16 plain", f"{big} g128 bf16 split tma"} <= names
-    two = "m%d s%d" % (gw.config(1)[0], gw.TWO_PER_SM["stages"])  # ctas_per_sm=2
-    assert {f"{two} g128 bf16 tma 2/sm", f"{two} g128 bf16 split tma 2/sm", f"{two} g128 fp16 tma 2/sm"} <= names
 
 
 def _weights(k, n, gs, dtype=torch.bfloat16):
@@ -66,19 +64,6 @@ def test_config_fits_shared_memory():
         # per stage: the x tile, the weight words, and the scales and zeros (scales_by="tma")
         per_stage = block_m * gw.BLOCK_K * 2 + gw.BLOCK_N * 16 * 4 + 2 * gw.BLOCK_N * 2
         assert stages * per_stage <= HOPPER_SHARED_BYTES - 1024
-
-
-def test_two_ctas_per_sm_fit_an_sm():
-    """ctas_per_sm=2: two CTAs' shared memory (each with its 1 KB reserve) fit an SM's 228 KB, their launch registers
-    its 64K, and the consumers' and producer's setmaxnreg targets fit what each CTA was launched with."""
-    two, threads = gw.TWO_PER_SM, 3 * 128
-    block_m = gw.config(1)[0]
-    per_stage = block_m * gw.BLOCK_K * 2 + gw.BLOCK_N * 16 * 4 + 2 * gw.BLOCK_N * 2
-    assert 2 * (two["stages"] * per_stage + 1024) <= 228 * 1024
-    assert 2 * threads * two["maxnreg"] <= 65536
-    assert 2 * 128 * two["consumer_regs"] + 128 * gw.PRODUCER_REGS <= threads * two["maxnreg"]
-    assert gw.two_per_sm_ok(16, 4096, 128) and not gw.two_per_sm_ok(17, 4096, 128)
-    assert not gw.two_per_sm_ok(1, 4096, 32) and not gw.two_per_sm_ok(1, 1001, 128)
 
 
 def test_group_sizes():
@@ -177,12 +162,10 @@ def test_split_k_chunks(k_tiles, splits):
 
 
 def test_split_k_only_for_few_tiles():
-    # slots: SMs x CTAs per SM (132 on an H200 at one CTA per SM, 264 with ctas_per_sm=2)
-    assert gw._split_chunk(tiles=112, k_tiles=32, slots=132) == 32  # 4096 x 14336 at M <= 64: no split
-    assert gw._split_chunk(tiles=112, k_tiles=32, slots=264) == 16  # two per SM: 2 splits, 224 CTAs
-    chunk = gw._split_chunk(tiles=32, k_tiles=32, slots=132)  # 4096^2 at M <= 64: 4 splits of 8
+    assert gw._split_chunk(tiles=112, k_tiles=32, n_sms=132) == 32  # 4096 x 14336 at M <= 64: no split
+    chunk = gw._split_chunk(tiles=32, k_tiles=32, n_sms=132)  # 4096^2 at M <= 64: 4 splits of 8
     assert chunk == 8 and 32 * (32 // chunk) <= 132
-    assert gw._split_chunk(tiles=32, k_tiles=112, slots=132) == 28  # 14336 x 4096
+    assert gw._split_chunk(tiles=32, k_tiles=112, n_sms=132) == 28  # 14336 x 4096
 
 
 # ---- dispatch: w4a16_matmul runs the Gluon kernel for GLUON_MIN_M..GLUON_MAX_M rows where it is supported ----

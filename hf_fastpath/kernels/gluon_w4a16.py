@@ -84,10 +84,6 @@ ROWS_PER_WARPGROUP = 64  # wgmma M: weight rows (output columns) per consumer wa
 BLOCK_N = 2 * ROWS_PER_WARPGROUP  # two consumer warpgroups per CTA
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers; setmaxnreg moves them to the consumers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
-# ctas_per_sm=2 (16-row tiles, scales by TMA): two CTAs share an SM's 64K registers (80 x 384 each) and its shared
-# memory (8 stages, ~100 KB each); the consumers then get 104 registers, which the 16-row tile needs without spilling
-# (Triton 3.6 and 3.9 builds; 32-row tiles serialize their wgmmas there, 32/64-groups spill): `two_per_sm_ok`
-TWO_PER_SM = dict(maxnreg=80, consumer_regs=104, stages=8)
 SHARED_BYTES = 232448  # sm_90 opt-in shared memory per block
 PLANE_GROUP_SIZES = (32, 64)  # groups smaller than a K tile: one scale row per 16-input plane
 GROUP_M = 8  # row tiles per band of the CTA order (L2 reuse); not tuned on a GPU yet
@@ -127,7 +123,7 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
 
     # Triton 3.6 calls the TMA load `async_copy_global_to_shared`; 3.7+ renamed it `async_load` (the old name raises)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
 
     @functools.lru_cache(maxsize=None)
     def scales_layout():
@@ -336,11 +332,10 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
     @gluon.jit
     def _w4a16_kernel(x_desc, w_desc, s_desc, z_desc, s_ptr, z_ptr, y_ptr, M, N, k_tiles, chunk, group_size, seg1,
                       seg2, STAGES: gl.constexpr, PLANE_GROUPS: gl.constexpr, PTX: gl.constexpr,
-                      GROUP_M: gl.constexpr, SCALES_TMA: gl.constexpr, SEGMENTED: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr):
+                      GROUP_M: gl.constexpr, SCALES_TMA: gl.constexpr, SEGMENTED: gl.constexpr):
         """One CTA: output tile (m0, n0) over K tiles [kt0, kt0 + n_k) of its split (split-K: `chunk` tiles a
         split, even when there are several, so only the last split can have a phantom tile; each split writes its
-        own fp32 partial y_ptr[split], which the host sums). CONSUMER_REGS: the consumers' setmaxnreg target."""
+        own fp32 partial y_ptr[split], which the host sums)."""
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         # Grouped order (Triton's matmul tutorial): CTAs running together cover GROUP_M row tiles x a band of
         # column tiles, so both their x tiles and their weight tiles stay in L2 (8192 x 28672: all weight tiles,
@@ -385,7 +380,7 @@ if HAS_GLUON:  # per plane value pair with its own groups: kernels/w4a16.py's PT
                          group_size, m0, n0, 1, STAGES, PLANE_GROUPS, PTX, SCALES_TMA)),
             (_producer, (x_desc, w_desc, s_desc, z_desc, x_smem, w_smem, s_smem, z_smem, ready, empty, m0, w_row0,
                          s_row0, n_part, kt0, n_steps, group_size, STAGES, SCALES_TMA)),
-        ], [4, 1], [CONSUMER_REGS, _PRODUCER_REGS])
+        ], [4, 1], _REGS)
 
     _LAUNCH = LaunchCache(_w4a16_kernel)
 
@@ -398,17 +393,12 @@ def _chunk_for(k_tiles: int, splits: int) -> int:
     return 2 * -(-k_tiles // (2 * splits))
 
 
-def _split_chunk(tiles: int, k_tiles: int, slots: int) -> int:
-    """Split K only when the output tiles leave most CTA slots idle (slots: SMs x CTAs per SM): about one wave of
-    CTAs, each with >= 8 K tiles. Not tuned on a GPU yet."""
-    if tiles * 2 > slots:
+def _split_chunk(tiles: int, k_tiles: int, n_sms: int) -> int:
+    """Split K only when the output tiles leave most SMs idle (one CTA per SM fits: ~200 KB of shared memory):
+    about one wave of CTAs, each with >= 8 K tiles. Not tuned on a GPU yet."""
+    if tiles * 2 > n_sms:
         return k_tiles
-    return _chunk_for(k_tiles, max(1, min(slots // tiles, k_tiles // 8)))
-
-
-def two_per_sm_ok(m: int, n: int, group_size: int) -> bool:
-    """Whether `ctas_per_sm=2` takes this call: 16-row tiles (M <= 16) with scales by TMA (`TWO_PER_SM`)."""
-    return config(m)[0] == 16 and scales_by_tma(n, group_size)
+    return _chunk_for(k_tiles, max(1, min(n_sms // tiles, k_tiles // 8)))
 
 
 def _num_sms(device) -> int:
@@ -483,7 +473,7 @@ def _check(x, qweight, scales, zeros, group_size, scales_by="load"):
 @on_input_device
 def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int, *, unpack: str = "ptx", splits: int | None = None,
-                       scales_by: str = "auto", ctas_per_sm: int = 1) -> torch.Tensor:
+                       scales_by: str = "auto") -> torch.Tensor:
     """y = x @ W with W held as 4-bit words (`w4a16_pack`'s layout), as `w4a16_matmul`: x [..., K] bf16/fp16,
     returns [..., N] in x's dtype. group_size: 32, 64, a multiple of 128, or -1 (one group over K).
     unpack: "ptx" (16-bit pair arithmetic, exact q - z for integer zero points, as every checkpoint format stores)
@@ -492,9 +482,7 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     one, fp32 partial sums are written and summed (deterministically) by torch.
     scales_by: "tma" (the producer brings each tile's scales and zeros through the ring with its weights: 1.04-1.49x
     faster on the H200, session 13; group sizes that are a multiple of 128 or one group, N a multiple of 8),
-    "load" (the consumers load them one tile ahead), or "auto" (default): "tma" where it applies.
-    ctas_per_sm: 1 (default, GPU-verified) or 2 (`TWO_PER_SM`: fewer stages and registers so that two CTAs share an
-    SM, for M <= 16 with scales by TMA (`two_per_sm_ok`); opt-in until measured on a GPU)."""
+    "load" (the consumers load them one tile ahead), or "auto" (default): "tma" where it applies."""
     if unpack not in ("ptx", "plain"):
         raise ValueError(f"gluon_w4a16_matmul: unpack must be 'ptx' or 'plain', got {unpack!r}")
     if scales_by not in ("auto", "load", "tma"):
@@ -507,14 +495,13 @@ def gluon_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = gluon_w4a16_matmul_rows(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), gs,
-                                unpack=unpack, splits=splits, scales_by=scales_by, ctas_per_sm=ctas_per_sm)
+                                unpack=unpack, splits=splits, scales_by=scales_by)
     return y.reshape(*lead, n)
 
 
 def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                             group_size: int, *, unpack: str = "ptx", splits: int | None = None,
-                            scales_by: str = "auto", segments: tuple[int, int] | None = None,
-                            ctas_per_sm: int = 1) -> torch.Tensor:
+                            scales_by: str = "auto", segments: tuple[int, int] | None = None) -> torch.Tensor:
     """`gluon_w4a16_matmul` without its argument checks, for callers that checked the layer once and asked
     `supported` (`w4a16_matmul_rows`): x2 [M, K] with unit column stride on x2's current device, contiguous
     weights in x2's dtype, group_size the effective one. Returns [M, N]. Its host time is what an eager prefill
@@ -536,14 +523,6 @@ def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: tor
         s_desc, z_desc = (TensorDescriptor(t.view(-1) if t.data_ptr() % 16 == 0 else t.reshape(-1).clone(),
                                            [t.numel()], [1], [BLOCK_N], scales_layout()) for t in (scales, zeros))
     block_m, stages = config(m)
-    maxnreg, consumer_regs = MAXNREG, CONSUMER_REGS
-    if ctas_per_sm != 1:
-        if ctas_per_sm != 2 or s_desc is None or not two_per_sm_ok(m, n, group_size):
-            raise ValueError(f"gluon_w4a16_matmul: ctas_per_sm must be 1, or 2 for at most 16 rows with scales by "
-                             f"TMA (group sizes that are multiples of {BLOCK_K}, N a multiple of 8); got "
-                             f"ctas_per_sm={ctas_per_sm!r} with {m} rows, group_size {group_size}, N = {n}, "
-                             f"scales_by={scales_by!r}")
-        stages, maxnreg, consumer_regs = TWO_PER_SM["stages"], TWO_PER_SM["maxnreg"], TWO_PER_SM["consumer_regs"]
     elem = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
     x_block = (block_m, BLOCK_K)
     x_desc = TensorDescriptor(x2, [m, k], [k, 1], list(x_block), nvmma_layout(x_block, elem))
@@ -551,8 +530,7 @@ def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: tor
     w_desc = TensorDescriptor(words, list(words.shape), [16, 1], [BLOCK_N, 16], nvmma_layout((BLOCK_N, 16), gl.int32))
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
     k_tiles = k // BLOCK_K
-    chunk = (_split_chunk(tiles, k_tiles, ctas_per_sm * _num_sms(x2.device)) if splits is None
-             else _chunk_for(k_tiles, splits))
+    chunk = _split_chunk(tiles, k_tiles, _num_sms(x2.device)) if splits is None else _chunk_for(k_tiles, splits)
     n_splits = triton.cdiv(k_tiles, chunk)
     # several splits: fp32 partials [splits, M, N] summed here (deterministic: no atomics)
     out = y if n_splits == 1 else torch.empty((n_splits, m, n), device=x2.device, dtype=torch.float32)
@@ -565,8 +543,8 @@ def gluon_w4a16_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: tor
     _LAUNCH.launch((tiles * n_splits, ), (x_desc, w_desc, s_desc, z_desc, scales, zeros, out, m, n, k_tiles, chunk,
                                          group_size, seg1, seg2),
                    dict(STAGES=stages, PLANE_GROUPS=plane_groups, PTX=ptx, GROUP_M=GROUP_M, SCALES_TMA=tma_scales,
-                        SEGMENTED=segments is not None, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg),
-                   (stages, plane_groups, ptx, tma_scales, segments is not None, consumer_regs, maxnreg))
+                        SEGMENTED=segments is not None, num_warps=4, maxnreg=MAXNREG),
+                   (stages, plane_groups, ptx, tma_scales, segments is not None))
     if n_splits > 1:
         torch.sum(out, dim=0, out=y)  # fp32 sums rounded once into y
     return y

@@ -45,12 +45,12 @@ def _layer(k, n, gs, dtype, zeros="asym"):
     return _LAYERS[key]
 
 
-def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto", ctas_per_sm=1):
+def _check(name, m, k, n, gs, dtype, zeros="asym", seed=0, unpack="ptx", scales_by="auto"):
     qweight, scales, z, w64 = _layer(k, n, gs, dtype, zeros)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     assert gw.supported(x, qweight, gs)
-    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by, ctas_per_sm=ctas_per_sm)
+    y = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, unpack=unpack, scales_by=scales_by)
     torch.cuda.synchronize()
     ref = x.double() @ w64
     assert y.shape == (m, n) and y.dtype == dtype
@@ -101,23 +101,6 @@ def test_split_k_matches_float64(kn, m, splits):
     err = (y.double() - ref).abs().max().item()
     REPORT.append(dict(case=f"split {splits} M={m} K={k} N={n}", max_err=err, scale=ref.abs().max().item()))
     assert err <= TOL[torch.bfloat16] * ref.abs().max().item()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("kng", [(4096, 4096, 128), (4096, 14336, 128), (14336, 4096, 128), (1152, 1000, 128),
-                                 (512, 384, 512), (384, 200, -1)], ids=lambda s: f"{s[0]}x{s[1]}g{s[2]}")
-def test_two_ctas_per_sm_matches_float64_and_the_default(kng, m, dtype):
-    """ctas_per_sm=2 (8 stages, 104 consumer registers, K split over twice the CTA slots): against float64, and
-    bitwise against the default launch whenever both run the same K splits (no split: one accumulation order)."""
-    k, n, gs = kng
-    _check(f"2/sm M={m} K={k} N={n} g{gs}", m, k, n, gs if gs != -1 else k, dtype, ctas_per_sm=2)
-    qweight, scales, z, _ = _layer(k, n, gs if gs != -1 else k, dtype)
-    x = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)).to(dtype)
-    for splits in (1, 2):
-        a = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, splits=splits, ctas_per_sm=2)
-        b = gw.gluon_w4a16_matmul(x, qweight, scales, z, gs, splits=splits)
-        assert torch.equal(a, b), f"splits={splits}: ctas_per_sm=2 differs from the default launch"
 
 
 @pytest.mark.parametrize("gs", [32, 128])
