@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from host_time import host_and_wall  # noqa: E402
 from w4a16 import make_weights, time_graph  # noqa: E402
 
 GROUPS = {  # name: (K, widths of the layers that share the input)
@@ -83,7 +84,6 @@ def eager_decoder_layer():
     layer), without and with `fuse_projections`, alternating three times: whether the hook costs less host time
     than the launches it saves."""
     import copy
-    import time
 
     import transformers
 
@@ -106,16 +106,9 @@ def eager_decoder_layer():
     def per_call(model, calls=300):
         layer = model.model.layers[0]
         with torch.no_grad():
-            for _ in range(30):
-                layer(x, position_embeddings=rope, position_ids=position_ids)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                layer(x, position_embeddings=rope, position_ids=position_ids)
-            host = (time.perf_counter() - t0) / calls * 1e6
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / calls * 1e6
-        return dict(host_us=host, wall_us=wall)
+            host, wall = host_and_wall(lambda: layer(x, position_embeddings=rope, position_ids=position_ids), calls,
+                                       warmup=30)
+        return dict(host_us=host * 1e6, wall_us=wall * 1e6)
 
     runs = [dict(unfused=per_call(plain), fused=per_call(fused)) for _ in range(3)]
     for r in runs:

@@ -44,16 +44,10 @@ def tokens_per_s(model, ids, new_tokens, **kw):
 def host_time_per_call(layer, x, calls=500):
     """(host µs per call without waiting for the GPU, wall µs per call): eager decoding is host-bound when the first
     is close to the second."""
+    from benchmarks.host_time import host_and_wall
+
     with torch.no_grad():
-        for _ in range(50):
-            layer(x)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            layer(x)
-        host = (time.perf_counter() - t0) / calls * 1e6
-        torch.cuda.synchronize()
-        return host, (time.perf_counter() - t0) / calls * 1e6
+        return tuple(t * 1e6 for t in host_and_wall(lambda: layer(x), calls, warmup=50))
 
 
 def run(args):
