@@ -1,6 +1,6 @@
 """What the GPU tests share: the error report, the Hopper + Gluon skip, random attention inputs.
 
-With HF_FASTPATH_GPU_REPORT=path every case's errors are written there as JSON when the session ends
+With HF_FASTPATH_GPU_REPORT=path every case's errors are written there, a JSON line per test as it ends
 (`conftest.py`; one file per pytest-xdist worker: path.gw0, path.gw1, ...)."""
 
 from __future__ import annotations
