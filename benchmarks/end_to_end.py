@@ -157,7 +157,8 @@ def main():
     ap.add_argument("--compiled-shapes", default="1x512,8x4096")
     ap.add_argument("--out", help=f"results JSON (default {RESULTS}, or end_to_end_<model>.json beside it)")
     ap.add_argument("--plot")
-    ap.add_argument("--profile", metavar="BxP", help="profile compiled generate at this batch x prompt (first of --dtypes) and stop")
+    ap.add_argument("--profile", metavar="BxP",
+                    help="profile compiled generate at this batch x prompt (first of --dtypes) and stop")
     ap.add_argument("--control", action="store_true",
                     help="null control: time sdpa against sdpa (results to end_to_end_control.json by default)")
     ap.add_argument("--profile-eager", action="store_true", help="with --profile: eager generate instead")
@@ -217,6 +218,7 @@ def main():
             pairs = [f / s for f, s in zip(row.get("fastpath_rounds", []), row.get("sdpa_rounds", []))]
             row["ratio_rounds"] = [round(x, 3) for x in pairs]
         res["rows"].append(row)
+        res["rows"].sort(key=row_order)  # rows kept from an earlier run and new ones, in the table's order
         log(json.dumps(row))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
@@ -260,6 +262,15 @@ def main():
     log("wrote", args.out)
 
 
+WORKFLOWS = ("train", "train packed", "prefill", "generate eager", "generate compiled")
+
+
+def row_order(row):
+    """Workflow, then dtype (bf16 first), then shape by its numbers ("1x8192", "4x2048 packed")."""
+    numbers = tuple(int(x) for x in row["shape"].split()[0].split("x"))
+    return WORKFLOWS.index(row["workflow"]), row["dtype"] != "bf16", row["dtype"], numbers, row["shape"]
+
+
 def readme_table(rows) -> str:
     """The README's end-to-end table (markdown) from the result rows: `tests/test_readme_figures.py` checks that the
     README carries exactly this."""
@@ -297,6 +308,12 @@ def plot(path):
     ratios = [r["ratio"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) + 1.5))
     ax.barh(range(len(rows)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    # each row's per-round ratios (the same round's pair), min to max: how far the harness's noise reaches
+    spread = [(r, min(r["ratio_rounds"]), max(r["ratio_rounds"])) for r in rows if r.get("ratio_rounds")]
+    ax.hlines([rows.index(r) for r, _, _ in spread], [lo for _, lo, _ in spread], [hi for _, _, hi in spread],
+              color="k", lw=1.2, label="per-round ratios (min-max)")
+    if spread:
+        ax.legend(loc="lower right", fontsize=7)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(labels, fontsize=7)
