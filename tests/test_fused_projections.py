@@ -292,3 +292,26 @@ def test_unsupported_groups_are_left_alone():
     assert not hasattr(model.model.layers[0].self_attn, fusion._GROUP_ATTR)
     gpt2 = _quantized("gpt2")
     assert hf_fastpath.fuse_projections(gpt2) == 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+def test_gpu_decode_configs_under_the_interpreter(m):
+    """The launch configs the GPU picks for few rows (`_decode_config(..., interpret=False)`: 1-8-row tiles, 128 or
+    256 columns), run by the interpreter on one layer, split over K, and on back-to-back parts (segmented): the
+    CPU run checks the kernel's indexing at the GPU's tile sizes, which the interpreter's own configs do not use."""
+    gen = torch.Generator().manual_seed(m)
+    k, ns, group = 512, (256, 256, 512), 128
+    n = sum(ns)
+    parts, w_parts = _parts(k, ns, group, BF16, gen)
+    (one,), w_one = _parts(k, (n,), group, BF16, gen)
+    x = torch.randn(m, k, generator=gen).to(BF16)
+    for wide in (False, True):  # N < 12288 (q/k/v-like) and N >= 12288 (gate/up-like) configs
+        cfg = K._decode_config(m, k, 12288 if wide else n, False, True)
+        cfg = {key: v for key, v in cfg.items() if key != "per_sm"}
+        for split_k, segments in ((1, None), (2, None), (2, (ns[0], ns[0] + ns[1]))):
+            weights, w = (parts[0], w_parts) if segments else (one, w_one)
+            out = torch.empty(m, n, dtype=BF16)
+            K._decode_matmul(x, *weights, group, out, cfg=cfg, split_k=split_k, segments=segments)
+            ref = x.double() @ w
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, (cfg, split_k, segments, err)
