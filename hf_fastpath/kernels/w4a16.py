@@ -734,6 +734,7 @@ def _decode_config(m: int, k: int, n: int, interpret: bool, tile_groups: bool, p
     (group size a multiple of 128, or one group), so scales and zeros can apply once per tile and output;
     plane_groups: every 16-input nibble plane lies in one group (g32/g64)."""
     small = m <= 8 and (tile_groups or plane_groups)
+    rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8  # the narrowest row tile that holds M (small M)
     if interpret:  # the GPU's row tiles, narrower columns: fast enough for the interpreter
         return dict(BLOCK_M=(1 if m == 1 else 8) if small else 16, BLOCK_N=64, num_warps=4, num_stages=1, per_sm=1,
                     mode="factored")
@@ -747,14 +748,12 @@ def _decode_config(m: int, k: int, n: int, interpret: bool, tile_groups: bool, p
         # Large layers (session 8, archive/w4a16_small_m_confirm_s8.json, weights streamed from HBM): a row tile as narrow
         # as M allows, 256 columns, 2 warps: 1.00-1.17x the configs below on 4096x14336, 8192x28672, 28672x8192 and
         # the 8B/70B gate/up pairs at M = 1-8; on narrower layers (q/k/v, 4096^2) it lost up to 13%.
-        rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
         return dict(BLOCK_M=rows, BLOCK_N=256, num_warps=2, num_stages=3, per_sm=2, mode="factored")
     if small and m == 1:
         return dict(BLOCK_M=1, BLOCK_N=128, num_warps=2, num_stages=4, per_sm=2, mode="factored")
     if small:  # 2-8 rows of narrower layers: 1.05-1.16x the 8-row, 256-column, 4-warp tile that ran here before
         # (session 29, archive/w4a16_small_m_confirm_s29.json: 4096^2 and 14336 x 4096, interleaved rounds)
-        return dict(BLOCK_M=2 if m == 2 else 4 if m <= 4 else 8, BLOCK_N=128, num_warps=2, num_stages=3, per_sm=2,
-                    mode="factored")
+        return dict(BLOCK_M=rows, BLOCK_N=128, num_warps=2, num_stages=3, per_sm=2, mode="factored")
     # 9-32 rows: 256 columns, 4 warps, 3 stages (session 2). From 33 rows, 64-row tiles dotting the exact q - z
     # operand, scaled after the dot: 10-25% faster than dequantizing in the loop (session 4, archive/w4a16_sweep_s4.json).
     if m <= 32:
