@@ -27,7 +27,7 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
     from triton.experimental.gluon._runtime import GluonASTSource
 
     tile = ga.tile_dim(head_dim)  # a padded head dim (`ga.tile_view`) loads through 3-D descriptors
-    cfg = cfg or ga.config(tile, causal)
+    cfg = cfg or ga.config(tile, causal, padded=tile != head_dim, key_mask=mask_mode == 1)
     fn, constexprs = ga.kernel_args(tile, causal, cfg, mask_mode, window, softcap, alibi, dim=head_dim)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
@@ -115,7 +115,7 @@ def main():
             kernel = build(head_dim, causal, dtype, cfg, mask_mode, window, softcap, *alibi)
             ptx = kernel.asm.get("ptx", "")
             tile = ga.tile_dim(head_dim)
-            cfg = cfg or ga.config(tile, causal)
+            cfg = cfg or ga.config(tile, causal, padded=tile != head_dim, key_mask=mask_mode == 1)
             o_buffer = ga.kernel_args(tile, causal, cfg)[1].get("O_BUFFER", False)
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   setmaxnreg=ptx.count("setmaxnreg"),

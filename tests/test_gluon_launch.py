@@ -101,13 +101,20 @@ def test_forward_launch(launches, d, bhsd, kind):
     assert out.shape == q.shape and lse.shape == (2, 4, 70)
     tile = ga.tile_dim(d)
     args = _bound(launches[-1])
-    cfg = ga.config(tile, True)
     padded = tile != d
+    cfg = ga.config(tile, True, padded=padded, key_mask=kind == "key_mask")
     _check_descriptor(args["q_desc"], q, ga.ROWS_PER_WARPGROUP, tile, padded)
     for name, t in (("k_desc", k), ("v_desc", v)):
         _check_descriptor(args[name], t, cfg.block_n, tile, padded)
     assert args["HEAD_DIM"] == tile and args["DIM"] == (d if padded else 0)
     assert args["out_ptr"] is out and args["lse_ptr"] is lse
+    # O leaves by TMA where the default says so, never with padded columns (a box would write the next head's)
+    assert args["TMA_STORE"] == cfg.tma_store == (d in (64, 128) and kind != "key_mask")
+    assert (args["out_desc"] is not None) == cfg.tma_store
+    if args["TMA_STORE"]:
+        box = list(args["out_desc"].block_shape)
+        assert box == [1, ga.ROWS_PER_WARPGROUP, tile] and args["out_desc"].base.data_ptr() == out.data_ptr()
+    assert args["Q_REGS"] == cfg.q_regs
 
 
 @pytest.mark.parametrize("d", [64, 128])

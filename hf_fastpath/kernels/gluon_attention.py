@@ -24,19 +24,23 @@ Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which 
 are stored. Tensors in, tensors out.
 
 Variants (`Config`; `config()` gives the default, `variants()` the opt-in ones, `gluon_attention_forward(...,
-variant=)` runs one). The default (persistent=False, tma_store=False) is the GPU-verified kernel; with both flags
-off it compiles to the same PTX as before the variants were added. The two flags below pass the GPU tests (session
-12) but neither is faster across the board (`gluon_attention_variants.json`: persistent +10-25% at 1k tokens except
-hd128 causal, 4-12% slower from 4k; TMA store within 4%), so the default keeps both off.
+variant=)` runs one). Every flag passes the GPU tests; the default takes the two that measured faster (session 30,
+`gluon_attention.json`): O stored by TMA at hd64 / hd128 (not with a padded head dim), and Q from registers at hd64.
+- tma_store: O goes registers -> shared memory -> one TMA store per warpgroup into out viewed [B, Sq, H*D]
+  (TMA clips rows past Sq, so nothing spills into the next sequence). It is staged in Q's buffer (dead by then)
+  unless a persistent CTA has room for a buffer of its own; in Q's buffer the producer must wait for the store.
+  hd128 with 3 stages has no room: `persistent_s2` trades a K/V stage for it. 1-10% faster than storing from the
+  accumulator's registers (whose 4-byte pieces make many partial-sector stores), most at 1k-2k tokens.
+- q_regs: each consumer loads its 64 Q rows into registers once (wgmma's register A operand), so the Q.K^T
+  wgmmas read only K from shared memory: +1-3% at hd64, +-1% at hd128 (where it costs 32 of 240 registers), not
+  built at hd256 (64 more registers would not fit beside O's 128).
 - persistent: about one CTA per SM (`_attn_fwd_persistent_kernel`), each looping over work items t = pid, pid +
   grid, ... (`_work_item`: causal takes every head's longest tile first). The producer and both consumers walk the
   same items; the K/V ring position and the ping-pong turn count run on across items, Q's phase flips per item,
   and a `q_empty` barrier hands Q's buffer back to the producer after an item's last Q.K^T, so the next item's Q
-  and its first STAGES - 1 K/V tiles load under this item's last P.V and epilogue.
-- tma_store: O goes registers -> shared memory -> one TMA store per warpgroup into out viewed [B, Sq, H*D]
-  (TMA clips rows past Sq, so nothing spills into the next sequence). It is staged in Q's buffer (dead by then)
-  unless a persistent CTA has room for a buffer of its own; in Q's buffer the producer must wait for the store.
-  hd128 with 3 stages has no room: `persistent_tma_store_s2` trades a K/V stage for it.
+  and its first STAGES - 1 K/V tiles load under this item's last P.V and epilogue. Session 12: +10-25% at 1k
+  tokens except hd128 causal, 4-12% slower from 4k (`gluon_attention_variants.json`, before TMA stores were the
+  default).
 """
 
 from __future__ import annotations
@@ -91,36 +95,47 @@ SHARED_LIMIT = 232448  # bytes of shared memory one CTA may opt in to on sm_90 (
 
 
 class Config(NamedTuple):
-    """One kernel configuration: key tile, K/V ring depth, ping-pong, and two opt-in variants (see the module
-    docstring): a persistent grid, and the output stored by TMA."""
+    """One kernel configuration: key tile, K/V ring depth, ping-pong, a persistent grid, the output stored by TMA,
+    and Q.K^T's A operand (Q) loaded into registers once instead of read from shared memory by every wgmma (see
+    the module docstring)."""
     block_n: int
     stages: int
     pingpong: bool
     persistent: bool = False
     tma_store: bool = False
+    q_regs: bool = False
 
 
-def config(head_dim: int, causal: bool) -> Config:
-    """The default per head dim. Measured on the H200 (benchmarks/results/gluon_attention.json): hd128 with 3 K/V
+def config(head_dim: int, causal: bool, padded: bool = False, key_mask: bool = False) -> Config:
+    """The default per tile head dim. `padded`: the tensors' head dim is narrower (`tile_dim`), so O is stored from
+    registers (a TMA box would write the padded columns into the next head's); `key_mask`: the key-mask kernels,
+    whose per-key path spills already, keep O's direct store and Q in shared memory (both took 150-190 more bytes
+    of spills there). Measured on the H200 (benchmarks/results/gluon_attention.json): hd128 with 3 K/V
     stages (229.7 KB of shared memory, just under the 227 KB limit) is 9-26% faster than 2; hd64 BLOCK_N 64 with 6
-    stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%. hd256: 64-key tiles, 2 stages (197 KB; O's [64, 256]
-    accumulator takes 128 registers a thread, so S stays at 64 x 64: 128-key tiles spill ~1.9 KB and serialize the
-    wgmmas). TMA boxes are clipped to the 128-byte swizzle by the compiler (several copies a tile).
-    `causal` is unused yet."""
-    return {64: Config(128, 4, True), 128: Config(128, 3, True), 256: Config(64, 2, True)}[head_dim]
+    stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%; O stored by TMA (session 30) 1-10% faster than
+    from the accumulator's registers (most at 1k-2k tokens), and at hd64 Q from registers another 1-3%. hd256:
+    64-key tiles, 2 stages (197 KB; O's [64, 256] accumulator takes 128 registers a thread, so S stays at 64 x 64:
+    128-key tiles spill ~1.9 KB and serialize the wgmmas), O stored from registers (a TMA box row is at most 256
+    bytes wide with the 128-byte swizzle). TMA boxes are clipped to the 128-byte swizzle by the compiler (several
+    copies a tile). `causal` is unused yet."""
+    cfg = {64: Config(128, 4, True, tma_store=True, q_regs=True), 128: Config(128, 3, True, tma_store=True),
+           256: Config(64, 2, True)}[head_dim]
+    if key_mask:
+        return cfg._replace(tma_store=False, q_regs=False)
+    return cfg._replace(tma_store=False) if padded else cfg
 
 
 def variants(head_dim: int, causal: bool) -> dict[str, Config]:
     """The opt-in variants to measure beside the default (GPU tests, `benchmarks/gluon_attention.py --variants`,
-    the offline builds); none at hd256."""
+    the offline builds): O stored from registers, a persistent grid, Q's operand the other way; none at hd256."""
     if head_dim == 256:
         return {}
     base = config(head_dim, causal)
-    found = {"persistent": base._replace(persistent=True), "tma_store": base._replace(tma_store=True),
-             "persistent_tma_store": base._replace(persistent=True, tma_store=True)}
-    if _stages_o_in_q(head_dim, base._replace(persistent=True, tma_store=True)):
+    found = {"direct_store": base._replace(tma_store=False), "persistent": base._replace(persistent=True),
+             "q_smem" if base.q_regs else "q_regs": base._replace(q_regs=not base.q_regs)}
+    if _stages_o_in_q(head_dim, found["persistent"]):
         # O must wait in Q's buffer, which delays the next item's Q: one K/V stage less buys O a buffer of its own
-        found["persistent_tma_store_s2"] = base._replace(stages=base.stages - 1, persistent=True, tma_store=True)
+        found["persistent_s2"] = base._replace(stages=base.stages - 1, persistent=True)
     return found
 
 
@@ -150,11 +165,11 @@ def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0, wi
         raise ValueError("a padded head dim takes neither the persistent nor the TMA-store variant")
     if not cfg.persistent:
         return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode, WINDOW=bool(window), SOFTCAP=bool(softcap),
-                                      ALIBI=int(alibi), DIM=dim if padded else 0)
+                                      ALIBI=int(alibi), DIM=dim if padded else 0, Q_REGS=cfg.q_regs)
     if mask_mode or window or softcap or alibi:
         raise ValueError("the persistent variant takes no key mask, segments, window, soft-cap or ALiBi")
     meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
-    return _attn_fwd_persistent_kernel, meta
+    return _attn_fwd_persistent_kernel, dict(meta, Q_REGS=cfg.q_regs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -407,7 +422,7 @@ if HAS_GLUON:
                   O_BUFFER: gl.constexpr = False, first=0, u0=1, km_ptr=None, km_b=0, km_plane=0,
                   MASK_MODE: gl.constexpr = 0, diag_lo=0, cap_scale=1.0, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, key_lo=0, key_hi=0, alibi_diag=0, alibi_coef=0.0,
-                  ALIBI: gl.constexpr = 0, DIM: gl.constexpr = 0):
+                  ALIBI: gl.constexpr = 0, DIM: gl.constexpr = 0, Q_REGS: gl.constexpr = False):
         """One warpgroup's 64 rows of one query tile: key tiles first..n_tiles-1, unmasked u0..u1-1 (see
         `_tile_plan`). kv0 / turn0: K/V tiles / ping-pong turns this CTA went
         through before this tile (0 without PERSISTENT). PERSISTENT: Q comes for every tile (phase q_phase) and
@@ -429,6 +444,7 @@ if HAS_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         q = q_smem.index(WARPGROUP)
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         rows = m0 + WARPGROUP * ROWS + gl.arange(0, ROWS, layout=row_layout)
         if ALIBI == 2:  # keys are measured from the tile's first row's diagonal (see `_online_softmax`)
             alibi_diag = alibi_diag + m0
@@ -458,10 +474,14 @@ if HAS_GLUON:
         if n_tiles > first:
             if not WAIT_Q_ALWAYS:
                 mbarrier.wait(q_ready, 0)
+            if Q_REGS:  # the Q.K^T's A operand from registers: shared memory then carries K alone
+                qa = q_smem.index(WARPGROUP).load(q_layout)
+            else:
+                qa = q
             # the first tile alone (no P.V to overlap with yet); masked, as it may be the only tile
             mbarrier.wait(k_ready.index(kv0 % STAGES), (kv0 // STAGES) & 1)
             _take_turn(turns, turn0, WARPGROUP, PINGPONG)
-            s = warpgroup_mma(q, k_smem.index(kv0 % STAGES).permute((1, 0)),
+            s = warpgroup_mma(qa, k_smem.index(kv0 % STAGES).permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             _pass_turn(turns, WARPGROUP, PINGPONG)
             if MODE == 1:
@@ -472,22 +492,22 @@ if HAS_GLUON:
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, rows, first * BLOCK_N, seq_k, diag, diag_lo,
                                                  cap_scale, key_ok, seg_lo, seg_hi, s_layout, BLOCK_N, True, CAUSAL,
                                                  MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef, ALIBI)
-            p = gl.convert_layout(p.to(q.dtype), p_layout)
+            p = gl.convert_layout(p.to(qa.dtype), p_layout)
             if MODE == 2 or WINDOW:  # tiles before u0 start inside some row's segment or window
                 for j in range(first + 1, u0):
-                    o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                    o, p, m_i, l_i = _attend(j, kvb + j, tb + j, qa, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                              turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo,
                                              cap_scale, km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES,
                                              True, CAUSAL, WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP,
                                              alibi_diag, alibi_coef, ALIBI)
             for j in range(u0, u1):  # tiles every row sees whole (key mask: unless some of their keys are padding)
-                o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                o, p, m_i, l_i = _attend(j, kvb + j, tb + j, qa, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL,
                                          WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef,
                                          ALIBI)
             for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end
-                o, p, m_i, l_i = _attend(j, kvb + j, tb + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                o, p, m_i, l_i = _attend(j, kvb + j, tb + j, qa, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL,
                                          WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef,
@@ -536,7 +556,8 @@ if HAS_GLUON:
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                            PINGPONG: gl.constexpr, out_desc, TMA_STORE: gl.constexpr, first, u0, km_ptr, km_b,
                            km_plane, diag_lo, cap_scale, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, run_lo,
-                           run_hi, alibi_diag, alibi_coef, ALIBI: gl.constexpr, DIM: gl.constexpr):
+                           run_hi, alibi_diag, alibi_coef, ALIBI: gl.constexpr, DIM: gl.constexpr,
+                           Q_REGS: gl.constexpr):
         """A key-mask call's consumer: a batch row whose real keys are one run (left / right padding, what
         Transformers builds) masks by its two ends (run_lo < run_hi or an empty run); others load the mask per key."""
         if run_lo <= run_hi:
@@ -544,13 +565,13 @@ if HAS_GLUON:
                       seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
                       CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, None,
                       km_b, km_plane, 3, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi, alibi_diag, alibi_coef,
-                      ALIBI, DIM)
+                      ALIBI, DIM, Q_REGS)
         else:
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                       seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
                       CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, km_ptr,
                       km_b, km_plane, 1, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0, alibi_diag, alibi_coef, ALIBI,
-                      DIM)
+                      DIM, Q_REGS)
 
     @gluon.jit
     def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -587,7 +608,7 @@ if HAS_GLUON:
                              out_desc, o_smem, lse_ptr, seq_q, seq_k, num_heads, n_bh, n_m_tiles, qk_scale,
                              WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                             TMA_STORE: gl.constexpr, O_BUFFER: gl.constexpr):
+                             TMA_STORE: gl.constexpr, O_BUFFER: gl.constexpr, Q_REGS: gl.constexpr):
         TILE_M: gl.constexpr = 2 * q_smem.type.shape[1]
         kv0 = 0
         turn0 = 0
@@ -599,7 +620,7 @@ if HAS_GLUON:
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
                       bh // num_heads, bh % num_heads, seq_q, seq_k, num_heads, seq_k - seq_q, n_tiles, u1, qk_scale,
                       WARPGROUP, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                      out_desc, o_smem, q_empty, item & 1, kv0, turn0, TMA_STORE, True, O_BUFFER)
+                      out_desc, o_smem, q_empty, item & 1, kv0, turn0, TMA_STORE, True, O_BUFFER, Q_REGS=Q_REGS)
             kv0 += n_tiles
             if n_tiles > 0:  # issue points per item: one per key tile and the last P.V
                 turn0 += n_tiles + 1
@@ -633,7 +654,8 @@ if HAS_GLUON:
                          diag, diag_lo, cap_scale, slopes_ptr, slopes_b, alibi_diag, HEAD_DIM: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                          TMA_STORE: gl.constexpr, MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False,
-                         SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0, DIM: gl.constexpr = 0):
+                         SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0, DIM: gl.constexpr = 0,
+                         Q_REGS: gl.constexpr = False):
         """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
         MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
         of `flash_attention.segment_table` (plane stride km_plane); 0: None. With a key mask, run_ptr [2, B] holds each
@@ -681,12 +703,12 @@ if HAS_GLUON:
                                       lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0,
                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
                                       km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
-                                      alibi_diag, alibi_coef, ALIBI, DIM)),
+                                      alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
                 (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
                                       lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1,
                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
                                       km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
-                                      alibi_diag, alibi_coef, ALIBI, DIM)),
+                                      alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                              q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], _REGS)
@@ -696,12 +718,12 @@ if HAS_GLUON:
                              b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
                              CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
                              km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
-                             alibi_diag, alibi_coef, ALIBI, DIM)),
+                             alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
                              b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
                              CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
                              km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
-                             alibi_diag, alibi_coef, ALIBI, DIM)),
+                             alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                              q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], _REGS)
@@ -711,7 +733,7 @@ if HAS_GLUON:
                                     group, n_bh, q_row_b, q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, qk_scale,
                                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    O_BUFFER: gl.constexpr):
+                                    O_BUFFER: gl.constexpr, Q_REGS: gl.constexpr = False):
         """A grid of about one CTA per SM; each loops over the work items t = pid, pid + grid, ... (see
         `_work_item`). TMA_STORE stages O in a buffer of its own with O_BUFFER (else in Q's, released later)."""
         TILE_M: gl.constexpr = 2 * q_desc.block_type.shape[0]
@@ -727,10 +749,12 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
                                     out_ptr, out_desc, o_smem, lse_ptr, seq_q, seq_k, num_heads, n_bh, n_m_tiles,
-                                    qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, TMA_STORE, O_BUFFER)),
+                                    qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, TMA_STORE, O_BUFFER,
+                                    Q_REGS)),
             (_persistent_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
                                     out_ptr, out_desc, o_smem, lse_ptr, seq_q, seq_k, num_heads, n_bh, n_m_tiles,
-                                    qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, TMA_STORE, O_BUFFER)),
+                                    qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, TMA_STORE, O_BUFFER,
+                                    Q_REGS)),
             (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                     v_ready, kv_empty, seq_q, seq_k, num_heads, group, n_bh, n_m_tiles, q_row_b,
                                     q_row_h, q_col_h, kv_row_b, kv_row_h, kv_col_h, BLOCK_N, STAGES, CAUSAL)),
@@ -843,7 +867,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return out.zero_(), lse.fill_(float("-inf"))
 
     tile = tile_dim(D)
-    cfg = variant if variant is not None else config(tile, bool(causal))
+    cfg = variant if variant is not None else config(tile, bool(causal), padded=tile != D, key_mask=mask_mode == 1)
     left, right = _window(causal, window_size)
     diag = Sk - Sq
     qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
