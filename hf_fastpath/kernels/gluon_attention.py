@@ -109,7 +109,7 @@ class Config(NamedTuple):
 def config(head_dim: int, causal: bool, padded: bool = False, key_mask: bool = False) -> Config:
     """The default per tile head dim. `padded`: the tensors' head dim is narrower (`tile_dim`), so O is stored from
     registers (a TMA box would write the padded columns into the next head's); `key_mask`: the key-mask kernels,
-    whose per-key path spills already, keep O's direct store and Q in shared memory (both took 150-190 more bytes
+    whose per-key path spills already, keep O's direct store and Q in shared memory (both took 140-190 more bytes
     of spills there). Measured on the H200 (benchmarks/results/gluon_attention.json): hd128 with 3 K/V
     stages (229.7 KB of shared memory, just under the 227 KB limit) is 9-26% faster than 2; hd64 BLOCK_N 64 with 6
     stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%; O stored by TMA (session 30) 1-10% faster than
