@@ -13,6 +13,38 @@ import torch
 REPORT: list = []
 
 
+def report_path() -> str | None:
+    """HF_FASTPATH_GPU_REPORT, with this pytest-xdist worker's suffix (path.gw0, ...) when there is one."""
+    path = os.environ.get("HF_FASTPATH_GPU_REPORT")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return f"{path}.{worker}" if path and worker else path
+
+
+def check_finite(name: str, tensors: dict, **inputs) -> None:
+    """Asserts that every tensor of `tensors` is finite. A failure first goes to the report: where the non-finite
+    values sit (their count and, per dimension, the first 16 indices holding one), and, with HF_FASTPATH_GPU_REPORT
+    set, the bad tensors and `inputs` are saved beside it (path.nan-<pid>-<n>.pt): the rare NaNs of sessions 25-30
+    came only inside `-n 8` runs and never again alone."""
+    bad = {k: ~torch.isfinite(x) for k, x in tensors.items()}
+    bad = {k: m for k, m in bad.items() if m.any()}
+    if not bad:
+        return
+    where = {}
+    for k, m in bad.items():
+        idx = m.nonzero().tolist()
+        where[k] = dict(count=len(idx), shape=list(m.shape),
+                        **{f"dim{i}": sorted({row[i] for row in idx})[:16] for i in range(m.dim())})
+    record = dict(case=name, nonfinite=where)
+    path = report_path()
+    if path:
+        record["saved"] = f"{path}.nan-{os.getpid()}-{len(REPORT)}.pt"
+        keep = {**inputs, **{k: tensors[k] for k in bad}}
+        torch.save({k: t.detach().cpu() if isinstance(t, torch.Tensor) else t for k, t in keep.items()},
+                   record["saved"])
+    REPORT.append(record)
+    raise AssertionError(f"{name}: {', '.join(bad)} has NaN/inf: {where}")
+
+
 def needs_sm90_gluon(has_gluon: bool):
     """Skip unless an sm_90 GPU runs compiled kernels (not the interpreter) and this Triton has Gluon's Hopper
     module."""

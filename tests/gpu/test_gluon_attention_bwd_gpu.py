@@ -15,7 +15,7 @@ from hf_fastpath.kernels import gluon_attention as ga
 from hf_fastpath.kernels import gluon_attention_bwd as gb
 from hf_fastpath.kernels.flash_attention import flash_attention_backward
 
-from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon, rel_error as _rel
+from tests.gpu.common import REPORT, attention_inputs, check_finite, needs_sm90_gluon, rel_error as _rel
 
 pytestmark = needs_sm90_gluon(gb.HAS_GLUON)
 
@@ -35,7 +35,7 @@ def _check(name, q, k, v, dout, causal, floor=2e-3, variant=None):
     scale = ref[2].norm()  # dV's: P^T . dO, never 0 here
     for gname, x, y, r, like in zip(("dq", "dk", "dv"), got, yard, ref, (q, k, v)):
         assert x.shape == like.shape and x.dtype == like.dtype, gname
-        assert torch.isfinite(x).all(), f"{name}: {gname} has NaN/inf"
+        check_finite(name, {gname: x}, q=q, k=k, v=v, dout=dout, out=out, lse=lse)
         errs[gname] = (_rel(x, r, scale), _rel(y, r, scale))
     REPORT.append(dict(case=name, **{f"{g}_rel": e[0] for g, e in errs.items()},
                        **{f"{g}_rel_triton": e[1] for g, e in errs.items()}))

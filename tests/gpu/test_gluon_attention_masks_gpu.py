@@ -18,7 +18,7 @@ from hf_fastpath.kernels import gluon_attention as ga
 from hf_fastpath.kernels import gluon_attention_bwd as gb
 from hf_fastpath.kernels.flash_attention import flash_attention_backward, segment_table
 
-from tests.gpu.common import REPORT, attention_inputs, needs_sm90_gluon, rel_error as _rel
+from tests.gpu.common import REPORT, attention_inputs, check_finite, needs_sm90_gluon, rel_error as _rel
 
 pytestmark = needs_sm90_gluon(ga.HAS_GLUON)
 
@@ -68,7 +68,8 @@ def _check(name, q, k, v, dout, causal, masks, floor=2e-3):
     out, lse = ga.gluon_attention_forward(q, k, v, causal=causal, **masks)
     d64 = [t.double() for t in (q, k, v, dout)]
     ref_out, ref_lse = reference.attention_forward(*d64[:3], causal=causal, **masks)
-    assert out.shape == q.shape and torch.isfinite(out).all(), f"{name}: out has NaN/inf"
+    assert out.shape == q.shape
+    check_finite(name, dict(out=out), q=q, k=k, v=v)
     empty = ref_lse == float("-inf")
     assert torch.equal(lse == float("-inf"), empty), f"{name}: lse -inf rows differ from the reference"
     rows = empty.transpose(1, 2)  # [B, Sq, H]
@@ -83,7 +84,7 @@ def _check(name, q, k, v, dout, causal, masks, floor=2e-3):
     errs = {}
     for gname, x, y, r, like in zip(("dq", "dk", "dv"), got, yard, ref, (q, k, v)):
         assert x.shape == like.shape and x.dtype == like.dtype, gname
-        assert torch.isfinite(x).all(), f"{name}: {gname} has NaN/inf"
+        check_finite(name, {gname: x}, q=q, k=k, v=v, dout=dout, out=out, lse=lse, **masks)
         errs[gname] = (_rel(x, r, scale), _rel(y, r, scale))
     assert (got[0][rows] == 0).all(), f"{name}: dq of a row that sees no key is not 0"
     REPORT.append(dict(case=name, out_rel=out_rel, lse_abs=lse_err, **{f"{g}_rel": e[0] for g, e in errs.items()},
