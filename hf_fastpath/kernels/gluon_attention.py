@@ -25,7 +25,8 @@ are stored. Tensors in, tensors out.
 
 Variants (`Config`; `config()` gives the default, `variants()` the opt-in ones, `gluon_attention_forward(...,
 variant=)` runs one). Every flag passes the GPU tests; the default takes the two that measured faster (session 30,
-`gluon_attention.json`): O stored by TMA at hd64 / hd128 (not with a padded head dim), and Q from registers at hd64.
+`gluon_attention.json`): O stored by TMA at hd64 / hd128, and Q from registers at hd64 (a padded head dim keeps
+the direct store, the key-mask kernels both old settings: `config`).
 - tma_store: O goes registers -> shared memory -> one TMA store per warpgroup into out viewed [B, Sq, H*D]
   (TMA clips rows past Sq, so nothing spills into the next sequence). It is staged in Q's buffer (dead by then)
   unless a persistent CTA has room for a buffer of its own; in Q's buffer the producer must wait for the store.
