@@ -23,11 +23,17 @@ from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
 
 
+def default_config(head_dim, causal, mask_mode):
+    """The launcher's default for a long call (`ga.config` without seq_k)."""
+    tile = ga.tile_dim(head_dim)
+    return ga.config(tile, causal, padded=tile != head_dim, key_mask=mask_mode == 1, packed=mask_mode == 2)
+
+
 def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=False, softcap=False, alibi=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     tile = ga.tile_dim(head_dim)  # a padded head dim (`ga.tile_view`) loads through 3-D descriptors
-    cfg = cfg or ga.config(tile, causal, padded=tile != head_dim, key_mask=mask_mode == 1)
+    cfg = cfg or default_config(head_dim, causal, mask_mode)
     fn, constexprs = ga.kernel_args(tile, causal, cfg, mask_mode, window, softcap, alibi, dim=head_dim)
     ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
@@ -66,7 +72,8 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
             sig[p.name] = "fp32" if p.name in ("qk_scale", "cap_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in ("out_ptr", "lse_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga.MAXNREG))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=ga.max_registers(cfg)))
 
 
 def cases():
@@ -115,7 +122,7 @@ def main():
             kernel = build(head_dim, causal, dtype, cfg, mask_mode, window, softcap, *alibi)
             ptx = kernel.asm.get("ptx", "")
             tile = ga.tile_dim(head_dim)
-            cfg = cfg or ga.config(tile, causal, padded=tile != head_dim, key_mask=mask_mode == 1)
+            cfg = cfg or default_config(head_dim, causal, mask_mode)
             o_buffer = ga.kernel_args(tile, causal, cfg)[1].get("O_BUFFER", False)
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   setmaxnreg=ptx.count("setmaxnreg"),

@@ -102,7 +102,7 @@ def test_forward_launch(launches, d, bhsd, kind):
     tile = ga.tile_dim(d)
     args = _bound(launches[-1])
     padded = tile != d
-    cfg = ga.config(tile, True, padded=padded, key_mask=kind == "key_mask")
+    cfg = ga.config(tile, True, padded=padded, key_mask=kind == "key_mask", packed=kind == "segments", seq_k=70)
     _check_descriptor(args["q_desc"], q, ga.ROWS_PER_WARPGROUP, tile, padded)
     for name, t in (("k_desc", k), ("v_desc", v)):
         _check_descriptor(args[name], t, cfg.block_n, tile, padded)
@@ -115,6 +115,24 @@ def test_forward_launch(launches, d, bhsd, kind):
         box = list(args["out_desc"].block_shape)
         assert box == [1, ga.ROWS_PER_WARPGROUP, tile] and args["out_desc"].base.data_ptr() == out.data_ptr()
     assert args["Q_REGS"] == cfg.q_regs
+
+
+@pytest.mark.parametrize("causal, sk, kind, consumers", [
+    (False, 70, "none", 3), (True, 70, "none", 2), (True, ga.WG3_MIN_CAUSAL_KEYS, "none", 3),
+    (True, ga.WG3_MIN_CAUSAL_KEYS, "alibi", 3), (True, ga.WG3_MIN_CAUSAL_KEYS, "segments", 2),
+    (False, 300, "key_mask", 2)])
+def test_forward_consumers(launches, causal, sk, kind, consumers):
+    """hd64: three consumer warpgroups (192-row tiles) without a causal mask or from WG3_MIN_CAUSAL_KEYS keys, not
+    with a key mask or packed segments; the grid, the register split and the constexprs follow."""
+    q, k, v = _inputs(64, False, b=1, sq=sk, sk=sk)
+    ga.gluon_attention_forward(q, k, v, causal=causal, **_mask_kwargs(kind, 1, sk, 4))
+    grid, _, kwargs = launches[-1].calls[0]
+    args = _bound(launches[-1])
+    assert args["CONSUMERS"] == consumers and args["Q_REGS"] == (consumers == 2 and kind != "key_mask")
+    assert args["MASK_MODE"] == {"key_mask": 1, "segments": 2}.get(kind, 0)
+    assert grid == ((sk + 64 * consumers - 1) // (64 * consumers), 4)
+    assert kwargs["maxnreg"] == (ga.MAXNREG3 if consumers == 3 else ga.MAXNREG)
+    assert 4 * 128 * ga.MAXNREG3 <= 65536 and ga.MAXNREG3 * 4 - sum(ga.WORKER_REGS3) >= ga.WORKER_REGS3[0]
 
 
 @pytest.mark.parametrize("d", [64, 128])

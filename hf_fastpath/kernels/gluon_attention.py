@@ -1,14 +1,16 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon, FlashAttention-3 style.
 
-One CTA per (128-query tile, batch x head), three partitions (`gl.warp_specialize`):
+One CTA per (query tile, batch x head), a producer and two or three consumers (`gl.warp_specialize`):
 - a 1-warp producer with few registers issues the TMA loads: Q once, then K and V tiles into a ring of STAGES
   shared-memory slots (one "ready" mbarrier per slot and operand, one "empty" mbarrier per slot);
-- two 4-warp consumers (warpgroups) own 64 query rows each. Per key tile: S = Q.K^T by wgmma (both operands in
-  shared memory), online softmax in registers (exp2, the scale folded into one FMA), P cast to 16 bits and fed
-  back as the *register* A operand of the P.V wgmma (no shared-memory round trip). The Q.K^T of tile j is issued
-  before the P.V of tile j-1 and the softmax of tile j runs while that P.V is in flight (FA3's intra-warpgroup
-  overlap). With PINGPONG the two warpgroups take turns issuing their wgmmas (two mbarriers pass the turn), so
-  one's softmax runs under the other's tensor-core work.
+- 4-warp consumers (warpgroups) own 64 query rows each: two (128-row tiles), or three (192 rows, FA3's hd64 tile:
+  `config` takes them at hd64 but for short causal calls, key masks and packed segments; a warpgroup then stops at
+  its own last key tile and passes the rest of its turns and ring slots on). Per key tile: S = Q.K^T by wgmma (both
+  operands in shared memory), online softmax in registers (exp2, the scale folded into one FMA), P cast to 16 bits
+  and fed back as the *register* A operand of the P.V wgmma (no shared-memory round trip). The Q.K^T of tile j is
+  issued before the P.V of tile j-1 and the softmax of tile j runs while that P.V is in flight (FA3's intra-
+  warpgroup overlap). With PINGPONG the warpgroups take turns issuing their wgmmas (an mbarrier per consumer passes
+  the turn), so one's softmax runs under another's tensor-core work.
 Causal attention is aligned bottom-right (query i sees keys j <= i + Sk - Sq): tiles above the diagonal are never
 loaded, and only the diagonal / sequence-end tiles pay for the mask. Padding (`key_mask`, MASK_MODE 1): a byte per
 key, checked in every tile that has a masked key; packed sequences (`segments`, MASK_MODE 2): only the key tiles of
@@ -74,10 +76,12 @@ __all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "tile_dim", "Con
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 HEAD_DIMS = (64, 128, 256)
-ROWS_PER_WARPGROUP = 64  # the wgmma M of one warpgroup; two consumers make a 128-row query tile
-BLOCK_M = 2 * ROWS_PER_WARPGROUP
+ROWS_PER_WARPGROUP = 64  # the wgmma M of one warpgroup; two consumers make a 128-row query tile (three: 192)
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 <= 64K registers; setmaxnreg then moves them to the consumers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
+# three consumers (hd64, `config`): 4 warpgroups x 128 threads x 128; the workers' setmaxnreg targets, the first
+# consumer (the default partition) gets the rest, 4 x 128 - 344 = 168
+MAXNREG3, WORKER_REGS3 = 128, (160, 160, PRODUCER_REGS)
 
 
 def tile_dim(head_dim: int, dims: tuple = HEAD_DIMS) -> int | None:
@@ -105,35 +109,61 @@ class Config(NamedTuple):
     persistent: bool = False
     tma_store: bool = False
     q_regs: bool = False
+    consumers: int = 2
 
 
-def config(head_dim: int, causal: bool, padded: bool = False, key_mask: bool = False) -> Config:
+def block_m(cfg: Config) -> int:
+    """Query rows a CTA (one work item) takes: 64 per consumer warpgroup."""
+    return cfg.consumers * ROWS_PER_WARPGROUP
+
+
+def max_registers(cfg: Config) -> int:
+    """The launch's `maxnreg`: the register file split evenly over the warpgroups before setmaxnreg moves it."""
+    return MAXNREG3 if cfg.consumers == 3 else MAXNREG
+
+
+# two consumers per tile head dim (`config`), and where three take hd64 instead
+_TWO_CONSUMERS = {64: Config(128, 4, True, tma_store=True, q_regs=True), 128: Config(128, 3, True, tma_store=True),
+                  256: Config(64, 2, True)}
+WG3_MIN_CAUSAL_KEYS = 2560  # causal hd64 below it keeps two consumers (2k keys: 0.95x, 3k: 1.08x; session 31)
+
+
+def config(head_dim: int, causal: bool, padded: bool = False, key_mask: bool = False, packed: bool = False,
+           seq_k: int | None = None) -> Config:
     """The default per tile head dim. `padded`: the tensors' head dim is narrower (`tile_dim`), so O is stored from
     registers (a TMA box would write the padded columns into the next head's); `key_mask`: the key-mask kernels,
-    whose per-key path spills already, keep O's direct store and Q in shared memory (both took 140-190 more bytes
-    of spills there). Measured on the H200 (benchmarks/results/gluon_attention.json): hd128 with 3 K/V
-    stages (229.7 KB of shared memory, just under the 227 KB limit) is 9-26% faster than 2; hd64 BLOCK_N 64 with 6
-    stages is 10-20% slower than 128 x 4; ping-pong gains 0-8%; O stored by TMA (session 30) 1-10% faster than
-    from the accumulator's registers (most at 1k-2k tokens), and at hd64 Q from registers another 1-3%. hd256:
-    64-key tiles, 2 stages (197 KB; O's [64, 256] accumulator takes 128 registers a thread, so S stays at 64 x 64:
-    128-key tiles spill ~1.9 KB and serialize the wgmmas), O stored from registers (a TMA box row is at most 256
-    bytes wide with the 128-byte swizzle). TMA boxes are clipped to the 128-byte swizzle by the compiler (several
-    copies a tile). `causal` is unused yet."""
-    cfg = {64: Config(128, 4, True, tma_store=True, q_regs=True), 128: Config(128, 3, True, tma_store=True),
-           256: Config(64, 2, True)}[head_dim]
-    if key_mask:
+    whose per-key path spills already, keep two consumers, O's direct store and Q in shared memory (both took
+    140-190 more bytes of spills there); `packed`: packed segments, whose documents are short as a rule (and their
+    lengths on the GPU), keep two consumers at hd64; `seq_k`: the call's keys (None: many). Measured on the H200
+    (benchmarks/results/gluon_attention.json): hd128 with 3 K/V stages (229.7 KB of shared memory, just under the
+    227 KB limit) is 9-26% faster than 2; ping-pong gains 0-8%; O stored by TMA (session 30) 1-10% faster than
+    from the accumulator's registers (most at 1k-2k tokens). hd64 (session 31): three consumers on 192-row tiles
+    (FA3's hd64 tile; Q from shared memory, as Q in registers spills there) are 1.02-1.19x two on 128 rows without
+    a causal mask, and 1.08-1.13x causal from 3k keys, where the last row's diagonal costs less than the 128
+    extra rows gain (1k: 0.82x, so shorter causal calls keep two, with Q from registers: +1-3%); BLOCK_N 64 with
+    6 stages was 10-20% slower than 128 x 4. hd256: 64-key tiles, 2 stages (197 KB; O's [64, 256] accumulator
+    takes 128 registers a thread, so S stays at 64 x 64: 128-key tiles spill ~1.9 KB and serialize the wgmmas),
+    O stored from registers (a TMA box row is at most 256 bytes wide with the 128-byte swizzle). TMA boxes are
+    clipped to the 128-byte swizzle by the compiler (several copies a tile)."""
+    cfg = _TWO_CONSUMERS[head_dim]
+    if key_mask:  # (three consumers spill 3.8 KB there)
         return cfg._replace(tma_store=False, q_regs=False)
+    if head_dim == 64 and not packed and not (causal and seq_k is not None and seq_k < WG3_MIN_CAUSAL_KEYS):
+        return cfg._replace(consumers=3, q_regs=False)
     return cfg._replace(tma_store=False) if padded else cfg
 
 
 def variants(head_dim: int, causal: bool) -> dict[str, Config]:
     """The opt-in variants to measure beside the default (GPU tests, `benchmarks/gluon_attention.py --variants`,
-    the offline builds): O stored from registers, a persistent grid, Q's operand the other way; none at hd256."""
+    the offline builds), all of two consumers but wg3: O stored from registers, a persistent grid, Q's operand the
+    other way; at hd64 two and three consumers (one of them the default, by the call's keys); none at hd256."""
     if head_dim == 256:
         return {}
-    base = config(head_dim, causal)
+    base = _TWO_CONSUMERS[head_dim]
     found = {"direct_store": base._replace(tma_store=False), "persistent": base._replace(persistent=True),
              "q_smem" if base.q_regs else "q_regs": base._replace(q_regs=not base.q_regs)}
+    if head_dim == 64:
+        found.update(wg2=base, wg3=base._replace(consumers=3, q_regs=False))
     if _stages_o_in_q(head_dim, found["persistent"]):
         # O must wait in Q's buffer, which delays the next item's Q: one K/V stage less buys O a buffer of its own
         found["persistent_s2"] = base._replace(stages=base.stages - 1, persistent=True)
@@ -143,7 +173,7 @@ def variants(head_dim: int, causal: bool) -> dict[str, Config]:
 def _shared_bytes(head_dim: int, cfg: Config, o_buffer: bool) -> int:
     """Shared memory of the 16-bit tiles (Q, the K/V ring, O's staging buffer), plus 1 KB for barriers and
     layout conversions (the compiled kernels use ~370 bytes of it)."""
-    tiles = BLOCK_M * head_dim * (2 if o_buffer else 1) + 2 * cfg.stages * cfg.block_n * head_dim
+    tiles = block_m(cfg) * head_dim * (2 if o_buffer else 1) + 2 * cfg.stages * cfg.block_n * head_dim
     return 2 * tiles + 1024
 
 
@@ -164,9 +194,13 @@ def kernel_args(head_dim: int, causal: bool, cfg: Config, mask_mode: int = 0, wi
                 PINGPONG=cfg.pingpong, TMA_STORE=cfg.tma_store)
     if padded and (cfg.persistent or cfg.tma_store):
         raise ValueError("a padded head dim takes neither the persistent nor the TMA-store variant")
+    if cfg.consumers not in (2, 3) or (cfg.consumers == 3 and (cfg.persistent or head_dim != 64)):
+        raise ValueError(f"{cfg.consumers} consumer warpgroups: 2 take every configuration, 3 only hd64 tiles "
+                         "without a persistent grid")
     if not cfg.persistent:
         return _attn_fwd_kernel, dict(meta, MASK_MODE=mask_mode, WINDOW=bool(window), SOFTCAP=bool(softcap),
-                                      ALIBI=int(alibi), DIM=dim if padded else 0, Q_REGS=cfg.q_regs)
+                                      ALIBI=int(alibi), DIM=dim if padded else 0, Q_REGS=cfg.q_regs,
+                                      CONSUMERS=cfg.consumers)
     if mask_mode or window or softcap or alibi:
         raise ValueError("the persistent variant takes no key mask, segments, window, soft-cap or ALiBi")
     meta["O_BUFFER"] = cfg.tma_store and not _stages_o_in_q(head_dim, cfg)
@@ -185,6 +219,7 @@ if HAS_GLUON:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.6's name; 3.9 calls it `barrier`
     _REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])  # setmaxnreg targets of the worker partitions
+    _REGS3 = gl.constexpr(list(WORKER_REGS3))
 
     @gluon.jit
     def _key_tiles(m0, seq_k, diag, diag_lo, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
@@ -265,10 +300,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_q(q_desc, q_smem, q_ready, q_row, q_col):
+        """The query tile, one 64-row piece per consumer."""
+        pieces: gl.constexpr = q_smem.type.shape[0]
         rows: gl.constexpr = q_smem.type.shape[1]
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _load_tile(q_desc, q_row, q_col, q_ready, q_smem.index(0))
-        _load_tile(q_desc, q_row + rows, q_col, q_ready, q_smem.index(1))
+        mbarrier.expect(q_ready, pieces * q_desc.block_type.nbytes)
+        for i in gl.static_range(pieces):
+            _load_tile(q_desc, q_row + i * rows, q_col, q_ready, q_smem.index(i))
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row, kv_col, first, last, kv0,
@@ -293,15 +330,19 @@ if HAS_GLUON:
 
     @gluon.jit
     def _take_turn(turns, t, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: the two consumers issue their wgmmas alternately (consumer 0 first), so one's softmax
-        runs under the other's tensor-core work instead of both softmaxes at once. t counts issue points."""
+        """Ping-pong: the consumers issue their wgmmas in turn (0, 1[, 2], 0, ...), so one's softmax runs under
+        another's tensor-core work instead of all softmaxes at once. t counts issue points; consumer 0's first
+        wait passes (a fresh mbarrier counts as having completed the phase before 0)."""
         if PINGPONG:
-            mbarrier.wait(turns.index(WARPGROUP), (t & 1) ^ (1 - WARPGROUP))
+            if WARPGROUP == 0:
+                mbarrier.wait(turns.index(0), (t & 1) ^ 1)
+            else:
+                mbarrier.wait(turns.index(WARPGROUP), t & 1)
 
     @gluon.jit
     def _pass_turn(turns, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
         if PINGPONG:
-            mbarrier.arrive(turns.index(1 - WARPGROUP), count=1)
+            mbarrier.arrive(turns.index((WARPGROUP + 1) % turns.type.shape[0]), count=1)
 
     @gluon.jit
     def _tanh(x):
@@ -470,6 +511,17 @@ if HAS_GLUON:
         MODE: gl.constexpr = 2 if MASK_MODE == 3 else MASK_MODE
         kvb = kv0 - first  # ring position and turn of key tile j: kvb + j, tb + j
         tb = turn0 - first
+        # three consumers: this warpgroup's own key tiles end where its last row's keys do (n_tiles is the CTA's
+        # last row's), and rows all past Sq (a sequence's last tile) take the first tile alone; two consumers (64-row
+        # halves of 128-key tiles) would rarely skip one, and take them all
+        row0 = m0 + WARPGROUP * ROWS
+        own_end = n_tiles
+        if CAUSAL and turns.type.shape[0] == 3:
+            own_end = gl.minimum(own_end, gl.cdiv(gl.maximum(gl.minimum(seq_k, gl.minimum(row0 + ROWS, seq_q) + diag),
+                                                             0), BLOCK_N))
+        if row0 >= seq_q and turns.type.shape[0] == 3:
+            own_end = first + 1
+        own_end = gl.minimum(gl.maximum(own_end, first + 1), n_tiles)
         if WAIT_Q_ALWAYS:
             mbarrier.wait(q_ready, q_phase)
         if n_tiles > first:
@@ -495,19 +547,20 @@ if HAS_GLUON:
                                                  MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef, ALIBI)
             p = gl.convert_layout(p.to(qa.dtype), p_layout)
             if MODE == 2 or WINDOW:  # tiles before u0 start inside some row's segment or window
-                for j in range(first + 1, u0):
+                for j in range(first + 1, gl.minimum(u0, own_end)):
                     o, p, m_i, l_i = _attend(j, kvb + j, tb + j, qa, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                              turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo,
                                              cap_scale, km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES,
                                              True, CAUSAL, WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP,
                                              alibi_diag, alibi_coef, ALIBI)
-            for j in range(u0, u1):  # tiles every row sees whole (key mask: unless some of their keys are padding)
+            # tiles every row sees whole (key mask: unless some of their keys are padding)
+            for j in range(u0, gl.minimum(u1, own_end)):
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, qa, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, False, CAUSAL,
                                          WARPGROUP, PINGPONG, MODE, WINDOW, SOFTCAP, alibi_diag, alibi_coef,
                                          ALIBI)
-            for j in range(u1, n_tiles):  # the diagonal, the sequence or segment end
+            for j in range(u1, own_end):  # the diagonal, the sequence or segment end
                 o, p, m_i, l_i = _attend(j, kvb + j, tb + j, qa, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                          turns, o, p, m_i, l_i, qk_scale, rows, seq_k, diag, diag_lo, cap_scale,
                                          km_row, seg_lo, seg_hi, s_layout, o_layout, BLOCK_N, STAGES, True, CAUSAL,
@@ -515,13 +568,21 @@ if HAS_GLUON:
                                          ALIBI)
             if RELEASE_Q_EARLY:  # every Q.K^T has completed
                 mbarrier.arrive(q_empty, count=1)
-            last = (kvb + n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((kvb + n_tiles - 1) // STAGES) & 1)
-            _take_turn(turns, tb + n_tiles, WARPGROUP, PINGPONG)
+            last = (kvb + own_end - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((kvb + own_end - 1) // STAGES) & 1)
+            _take_turn(turns, tb + own_end, WARPGROUP, PINGPONG)
             o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
             _pass_turn(turns, WARPGROUP, PINGPONG)
             o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
             mbarrier.arrive(kv_empty.index(last), count=1)
+            for j in range(own_end, n_tiles):  # tiles only later rows see: their turns and ring slots pass on
+                c = kvb + j
+                # once loaded (its K too: a slot must not be refilled under a TMA load still landing)
+                mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+                mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+                _take_turn(turns, tb + j + 1, WARPGROUP, PINGPONG)
+                _pass_turn(turns, WARPGROUP, PINGPONG)
+                mbarrier.arrive(kv_empty.index(c % STAGES), count=1)
         else:
             if RELEASE_Q_EARLY:
                 mbarrier.arrive(q_empty, count=1)
@@ -552,16 +613,23 @@ if HAS_GLUON:
             gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
     @gluon.jit
-    def _key_mask_consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
-                           b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           PINGPONG: gl.constexpr, out_desc, TMA_STORE: gl.constexpr, first, u0, km_ptr, km_b,
-                           km_plane, diag_lo, cap_scale, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, run_lo,
-                           run_hi, alibi_diag, alibi_coef, ALIBI: gl.constexpr, DIM: gl.constexpr,
-                           Q_REGS: gl.constexpr):
-        """A key-mask call's consumer: a batch row whose real keys are one run (left / right padding, what
-        Transformers builds) masks by its two ends (run_lo < run_hi or an empty run); others load the mask per key."""
-        if run_lo <= run_hi:
+    def _tile_consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b,
+                       h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       PINGPONG: gl.constexpr, out_desc, TMA_STORE: gl.constexpr, first, u0, km_ptr, km_b, km_plane,
+                       MASK_MODE: gl.constexpr, diag_lo, cap_scale, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+                       run_lo, run_hi, alibi_diag, alibi_coef, ALIBI: gl.constexpr, DIM: gl.constexpr,
+                       Q_REGS: gl.constexpr):
+        """A consumer of the one-CTA-per-tile kernel. A key-mask call's (MASK_MODE 1) batch row whose real keys are
+        one run (left / right padding, what Transformers builds) masks by its two ends (run_lo < run_hi or an empty
+        run); others load the mask per key."""
+        if MASK_MODE != 1:
+            _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
+                      seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
+                      CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, km_ptr,
+                      km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0, alibi_diag, alibi_coef,
+                      ALIBI, DIM, Q_REGS)
+        elif run_lo <= run_hi:
             _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0, b, h,
                       seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, WARPGROUP, HEAD_DIM, BLOCK_N, STAGES,
                       CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0, None,
@@ -630,23 +698,24 @@ if HAS_GLUON:
             tma.store_wait(0)
 
     @gluon.jit
-    def _allocate(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
-        """Shared memory and mbarriers of one CTA: Q (two 64-row halves), the K/V ring, and its barriers."""
-        q_smem = _tile_buffer(q_desc, 2)
+    def _allocate(q_desc, k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+        """Shared memory and mbarriers of one CTA: Q (a 64-row piece per consumer), the K/V ring, and its
+        barriers."""
+        q_smem = _tile_buffer(q_desc, CONSUMERS)
         k_smem = _tile_buffer(k_desc, STAGES)
         v_smem = _tile_buffer(v_desc, STAGES)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(turns.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases a slot
         return q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns
 
     @gluon.jit
@@ -656,18 +725,18 @@ if HAS_GLUON:
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                          TMA_STORE: gl.constexpr, MASK_MODE: gl.constexpr = 0, WINDOW: gl.constexpr = False,
                          SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0, DIM: gl.constexpr = 0,
-                         Q_REGS: gl.constexpr = False):
-        """One CTA per (query tile, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by then).
-        MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B, S]
-        of `flash_attention.segment_table` (plane stride km_plane); 0: None. With a key mask, run_ptr [2, B] holds each
-        batch row's run of real keys (lo, hi), hi < lo when they are not one run. Row i sees keys up to i + diag with
-        CAUSAL (diag = Sk - Sq + the right window edge) and from i + diag_lo on with WINDOW (diag_lo = Sk - Sq - the
-        left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e). ALIBI (1, or
-        2 when causal with no right window edge: see `alibi_mode`): scores - slope * |i + alibi_diag - j| (alibi_diag
-        = Sk - Sq), slopes fp32 [B or 1, H] (batch stride slopes_b). DIM: the tensors' head dim when the tiles are
-        wider (3-D descriptors of `tile_view`), else 0."""
+                         Q_REGS: gl.constexpr = False, CONSUMERS: gl.constexpr = 2):
+        """One CTA per (query tile of CONSUMERS x 64 rows, batch x head). TMA_STORE stages O in Q's buffer (Q is dead by
+        then). MASK_MODE 1: km_ptr is a uint8 key mask [B, Sk] (batch stride km_b); 2: the int32 segment table [3, B,
+        S] of `flash_attention.segment_table` (plane stride km_plane); 0: None. With a key mask, run_ptr [2, B] holds
+        each batch row's run of real keys (lo, hi), hi < lo when they are not one run. Row i sees keys up to i + diag
+        with CAUSAL (diag = Sk - Sq + the right window edge) and from i + diag_lo on with WINDOW (diag_lo = Sk - Sq -
+        the left window edge); SOFTCAP: scores softcap * tanh(s * cap_scale), qk_scale = softcap * log2(e). ALIBI (1,
+        or 2 when causal with no right window edge: see `alibi_mode`): scores - slope * |i + alibi_diag - j|
+        (alibi_diag = Sk - Sq), slopes fp32 [B or 1, H] (batch stride slopes_b). DIM: the tensors' head dim when the
+        tiles are wider (3-D descriptors of `tile_view`), else 0."""
         ROWS: gl.constexpr = _tile_shape(q_desc.block_type.shape)[0]
-        TILE_M: gl.constexpr = 2 * ROWS
+        TILE_M: gl.constexpr = CONSUMERS * ROWS
         pid_m = gl.program_id(0)
         if CAUSAL:  # the longest rows first, so the short ones fill the tail of the grid
             pid_m = gl.num_programs(0) - 1 - pid_m
@@ -695,38 +764,45 @@ if HAS_GLUON:
             alibi_coef = 0.0
 
         q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns = _allocate(q_desc, k_desc, v_desc,
-                                                                                       STAGES)
+                                                                                       STAGES, CONSUMERS)
         q_row = b * q_row_b + h * q_row_h + m0
         kv_row = b * kv_row_b + hk * kv_row_h
-        if MASK_MODE == 1:
+        q_col = h * q_col_h
+        kv_col = hk * kv_col_h
+        if CONSUMERS == 3:
             gl.warp_specialize([
-                (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
-                                      lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0,
-                                      HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
-                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
-                                      alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
-                (_key_mask_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
-                                      lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1,
-                                      HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0,
-                                      km_ptr, km_b, km_plane, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
-                                      alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
+                (_tile_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
+                                  lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM,
+                                  BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0, km_ptr, km_b,
+                                  km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
+                                  alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
+                (_tile_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
+                                  lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM,
+                                  BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0, km_ptr, km_b,
+                                  km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
+                                  alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
+                (_tile_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
+                                  lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 2, HEAD_DIM,
+                                  BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0, km_ptr, km_b,
+                                  km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
+                                  alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                             q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
-            ], [4, 1], _REGS)
+                             q_row, q_col, kv_row, kv_col, first, n_tiles, BLOCK_N, STAGES)),
+            ], [4, 4, 1], _REGS3)
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
-                             b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
-                             CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
-                             alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
-                (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr, lse_ptr, m0,
-                             b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
-                             CAUSAL, PINGPONG, out_desc, q_smem, None, 0, 0, 0, TMA_STORE, False, False, first, u0,
-                             km_ptr, km_b, km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, 0, 0,
-                             alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
+                (_tile_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
+                                  lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 0, HEAD_DIM,
+                                  BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0, km_ptr, km_b,
+                                  km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
+                                  alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
+                (_tile_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turns, out_ptr,
+                                  lse_ptr, m0, b, h, seq_q, seq_k, num_heads, diag, n_tiles, u1, qk_scale, 1, HEAD_DIM,
+                                  BLOCK_N, STAGES, CAUSAL, PINGPONG, out_desc, TMA_STORE, first, u0, km_ptr, km_b,
+                                  km_plane, MASK_MODE, diag_lo, cap_scale, WINDOW, SOFTCAP, run_lo, run_hi,
+                                  alibi_diag, alibi_coef, ALIBI, DIM, Q_REGS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                             q_row, h * q_col_h, kv_row, hk * kv_col_h, first, n_tiles, BLOCK_N, STAGES)),
+                             q_row, q_col, kv_row, kv_col, first, n_tiles, BLOCK_N, STAGES)),
             ], [4, 1], _REGS)
 
     @gluon.jit
@@ -868,7 +944,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return out.zero_(), lse.fill_(float("-inf"))
 
     tile = tile_dim(D)
-    cfg = variant if variant is not None else config(tile, bool(causal), padded=tile != D, key_mask=mask_mode == 1)
+    cfg = variant if variant is not None else config(tile, bool(causal), padded=tile != D, key_mask=mask_mode == 1,
+                                                     packed=mask_mode == 2, seq_k=Sk)
     left, right = _window(causal, window_size)
     diag = Sk - Sq
     qk_scale, cap_scale = (softcap * LOG2E, softmax_scale / softcap) if softcap > 0 else (softmax_scale * LOG2E, 1.0)
@@ -886,7 +963,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
     kernel, meta = kernel_args(tile, right >= 0, cfg, mask_mode, left >= 0, softcap > 0, alibi_mode(slopes, right),
                                dim=D)
-    n_m_tiles = triton.cdiv(Sq, BLOCK_M)
+    n_m_tiles = triton.cdiv(Sq, block_m(cfg))
     if cfg.persistent:
         head_args, tail = (Sq, Sk, Hq, Hq // Hkv, B * Hq), ()
     else:
@@ -897,7 +974,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     grid = (min(n_m_tiles * B * Hq, _sm_count(q.device)), ) if cfg.persistent else (n_m_tiles, B * Hq)
     launch_cached(kernel, grid, (q_desc, k_desc, v_desc, out, out_desc, lse, *head_args, q_row_b, q_row_h, q_col_h,
                                  kv_row_b, kv_row_h, kv_col_h, qk_scale, *tail),
-                  dict(meta, num_warps=4, maxnreg=MAXNREG))
+                  dict(meta, num_warps=4, maxnreg=max_registers(cfg)))
     return out, lse
 
 
