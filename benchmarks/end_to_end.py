@@ -52,7 +52,11 @@ FALCON_RW_7B = dict(hidden_size=4096, num_attention_heads=64, alibi=True, multi_
 # attention and MLP (EleutherAI/gpt-neox-20b)
 NEOX_20B = dict(hidden_size=6144, intermediate_size=24576, num_attention_heads=64, rotary_pct=0.25,
                 use_parallel_residual=True, vocab_size=50432, max_position_embeddings=40960)
+# head dim 64 (32 heads of 64, MHA): the small Llamas (HuggingFaceTB/SmolLM2-1.7B)
+SMOLLM2_1_7B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
+                    vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0, max_position_embeddings=40960)
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
+          "smollm2-1.7b": ("llama", SMOLLM2_1_7B, "SmolLM2-1.7B shape (head dim 64), random weights"),
           "neox-20b": ("gpt_neox", NEOX_20B, "GPT-NeoX-20B shape (head dim 96), random weights"),
           "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights"),
           "mistral-7b": ("mistral", MISTRAL_7B, "Mistral-7B shape (sliding window 4096), random weights"),
