@@ -125,7 +125,7 @@ def main():
             cfg = cfg or default_config(head_dim, causal, mask_mode)
             o_buffer = ga.kernel_args(tile, causal, cfg)[1].get("O_BUFFER", False)
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
-                                  setmaxnreg=ptx.count("setmaxnreg"),
+                                  setmaxnreg=ptx.count("setmaxnreg"), tags=[f"consumers{cfg.consumers}"],
                                   shared_estimate=ga._shared_bytes(tile, cfg, o_buffer), triton=triton.__version__,
                                   **ptxas_report(kernel))), flush=True)
             dump_asm(kernel, name)

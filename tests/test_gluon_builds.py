@@ -8,6 +8,7 @@ own compiler in a subprocess (TRITON_INTERPRET=0), for the Triton installed here
 from __future__ import annotations
 
 import pytest
+import triton
 
 from hf_fastpath.kernels import gluon_attention as ga
 
@@ -20,8 +21,12 @@ def test_gluon_attention_builds_for_sm90():
     # the key-mask kernels' per-key path (rows whose real keys are not one run) spills 140-1448 bytes under 3.6,
     # 20-1412 under 3.9; their one-run path's tile loops none (docs/attention.md session 18). A regression is KBs.
     # The shared-memory estimate decides whether O gets a buffer of its own: it must not undercount.
-    # ALiBi's causal hd128 forward: none under 3.6, 96 bytes under 3.9 (session 21)
-    assert_sm90_builds_sound(builds, {"keymask": 1536, "alibi": 128})
+    # ALiBi's causal hd128 forward: none under 3.6, 96 bytes under 3.9 (session 21). Three consumers (hd64, 160
+    # registers each): none under 3.6, 136 (full) to 1440 bytes (causal ALiBi) under 3.9's ptxas (session 31)
+    allowance = {"keymask": 1536, "alibi": 128}
+    if not triton.__version__.startswith("3.6"):
+        allowance["consumers3"] = 1536
+    assert_sm90_builds_sound(builds, allowance)
     names = {b["name"] for b in builds}
     assert {"fwd hd64 full bf16", "fwd hd128 causal bf16", "fwd hd128 causal fp16"} <= names
     assert {f"fwd hd{d} {kind} bf16 {mask}" for mask in ("keymask", "packed")
