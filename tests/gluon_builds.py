@@ -17,7 +17,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_attention as ga  # noqa: E402
-from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
+from offline_builds import (barrier_overlaps, build_error, descriptor_type, dump_asm,  # noqa: E402
+                            ptxas_report)
 
 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
@@ -127,7 +128,8 @@ def main():
             print(json.dumps(dict(name=name, shared=kernel.metadata.shared, spills=ptx.count("local.") > 0,
                                   setmaxnreg=ptx.count("setmaxnreg"), tags=[f"consumers{cfg.consumers}"],
                                   shared_estimate=ga._shared_bytes(tile, cfg, o_buffer), triton=triton.__version__,
-                                  **ptxas_report(kernel))), flush=True)
+                                  **ptxas_report(kernel), barrier_overlaps=barrier_overlaps(kernel))),
+                  flush=True)
             dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build
             print(json.dumps(dict(name=name, error=build_error(exc))), flush=True)

@@ -18,7 +18,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
-from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
+from offline_builds import (barrier_overlaps, build_error, descriptor_type, dump_asm,  # noqa: E402
+                            ptxas_report)
 
 
 MASK_POINTER = {1: "*u8", 2: "*i32"}  # the key mask as bytes, the segment table
@@ -120,7 +121,8 @@ def main():
                                   shared_estimate=gb.shared_bytes(gb._fwd.tile_dim(head_dim, gb.HEAD_DIMS), variant),
                                   n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__,
-                                  **ptxas_report(kernel))), flush=True)
+                                  **ptxas_report(kernel), barrier_overlaps=barrier_overlaps(kernel))),
+                  flush=True)
             dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build
             print(json.dumps(dict(name=name, error=build_error(exc))), flush=True)

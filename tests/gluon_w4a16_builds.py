@@ -16,7 +16,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_w4a16 as gw  # noqa: E402
-from offline_builds import build_error, descriptor_type, dump_asm, ptxas_report  # noqa: E402
+from offline_builds import (barrier_overlaps, build_error, descriptor_type, dump_asm,  # noqa: E402
+                            ptxas_report)
 
 
 def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=False, scales_tma=False,
@@ -95,7 +96,9 @@ def main():
                                   setmaxnreg=ptx.count("setmaxnreg"), n_regs=getattr(kernel, "n_regs", None),
                                   wgmma=ptx.count("wgmma.mma_async"),
                                   wgmma_wait_1=ptx.count("wgmma.wait_group.sync.aligned 1"),
-                                  triton=triton.__version__, **ptxas_report(kernel))), flush=True)
+                                  triton=triton.__version__, **ptxas_report(kernel),
+                                  barrier_overlaps=barrier_overlaps(kernel))),
+                  flush=True)
             dump_asm(kernel, name)
         except Exception as exc:  # noqa: BLE001 - report every build
             print(json.dumps(dict(name=name, error=build_error(exc))), flush=True)

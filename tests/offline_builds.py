@@ -4,7 +4,9 @@ per build) and their tests share."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -65,11 +67,70 @@ def build_error(exc: Exception) -> str:
     return msg
 
 
+_ALLOC = re.compile(r"(?:(%[\w.]+) = )?([a-z_]+\.[\w.]+)[ (].*?\{[^}]*allocation\.offset = (\d+) : i32"
+                    r"(?:, allocation\.size = (\d+) : i32)?")
+_SHAPE = re.compile(r"(?:memdesc|tensor)<((?:\d+x)+)(\w+)")
+_BYTES = {"i64": 8, "f32": 4, "i32": 4, "bf16": 2, "f16": 2, "i16": 2, "i8": 1, "f8E4M3FN": 1, "f8E5M2": 1, "i1": 1}
+
+
+def shared_allocations(kernel) -> list[dict]:
+    """Triton's shared-memory allocation of a build: {"name", "op", "offset", "size", "barrier"} per buffer and
+    per scratch (layout conversions, ...). The allocation passes of the backend's `make_llir` are re-run on the
+    build's TTGIR, as `kernel.asm` keeps no allocated IR. Sizes: Triton 3.9 prints scratch sizes; under 3.6 a
+    conversion's scratch is taken as its whole tensor (an upper bound), and other scratch as a single byte."""
+    import tempfile
+
+    from triton._C.libtriton import ir, nvidia, passes
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    nvidia.load_dialects(ctx)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ttgir")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ttgir"])
+        mod = ir.parse_mlir_module(path, ctx)
+    mod.context = ctx
+    pm = ir.pass_manager(ctx)
+    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+    passes.ttgpuir.add_allocate_warp_groups(pm)
+    passes.convert.add_scf_to_cf(pm)
+    passes.gluon.add_inliner(pm)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 87)
+    pm.run(mod, "shared_allocations")
+    found = {}
+    for line in str(mod).splitlines():
+        m = _ALLOC.search(line)
+        if not m:
+            continue
+        name, op, offset, size = m.group(1) or m.group(2), m.group(2), int(m.group(3)), m.group(4)
+        shapes = _SHAPE.findall(line.split("->")[-1])
+        barrier = op == "ttg.local_alloc" and bool(shapes) and shapes[0][1] == "i64"
+        if size is None:
+            size = 1
+            if shapes and (op == "ttg.local_alloc" or op == "ttg.convert_layout"):
+                dims, elem = shapes[0]
+                size = math.prod(int(x) for x in dims.strip("x").split("x")) * _BYTES.get(elem, 4)
+        found[(name, op, offset)] = dict(name=name, op=op, offset=offset, size=int(size), barrier=barrier)
+    return list(found.values())
+
+
+def barrier_overlaps(kernel) -> list[str]:
+    """Allocations that share bytes with an mbarrier. Triton reuses the memory of values it sees as dead, but plain
+    stores to an initialized mbarrier's memory are undefined until `mbarrier.inval` (PTX): an mbarrier initialized
+    and then never used became a layout conversion's scratch in the hd256 backward and read back NaN now and then
+    (session 32). Initialize only the barriers a kernel uses."""
+    allocs = shared_allocations(kernel)
+    bars = [a for a in allocs if a["barrier"]]
+    return sorted({f"{a['op']} {a['name']} [{a['offset']}, +{a['size']}) on barrier {b['name']} at {b['offset']}"
+                   for b in bars for a in allocs if a is not b
+                   and a["offset"] < b["offset"] + b["size"] and b["offset"] < a["offset"] + a["size"]})
+
+
 def ptxas_report(kernel):
     """Run the bundled ptxas -v / cuobjdump on the build: registers, spills, and whether ptxas serialized the
     wgmmas (its C7514/C7515 notes; in the SASS a `WARPGROUP.DEPBAR.LE gsb0, 0x0` right after each HGMMA), which
     would mean the dequantization never overlaps the MMA."""
-    import re
     import tempfile
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -123,3 +184,4 @@ def assert_sm90_builds_sound(builds: list[dict], spill_allowance: dict) -> None:
 
     assert not [b for b in builds if b["ptxas_spill_bytes"] > allowed(b)], builds
     assert not [b for b in builds if b["serialized"] or b["ptxas_notes"]], builds  # a wait after every HGMMA
+    assert not [b for b in builds if b["barrier_overlaps"]], builds  # no allocation on an mbarrier's bytes

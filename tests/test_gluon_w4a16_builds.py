@@ -34,6 +34,7 @@ def test_gluon_w4a16_builds_for_sm90(builds):
     # ptxas keeps the wgmmas asynchronous (no C7514/C7515 note, no wait right after each HGMMA): otherwise the
     # dequantization cannot overlap the MMA, the point of this kernel
     assert not [b for b in builds if b.get("serialized") or b.get("ptxas_notes")], builds
+    assert not [b for b in builds if b["barrier_overlaps"]], builds  # `offline_builds.barrier_overlaps`
     names = {b["name"] for b in builds}
     tiles = {f"m{bm} s{st}" for bm, st in (gw.config(m) for m in (1, 32, 64, 4096))}  # every row bucket
     assert {f"{t} g128 bf16" for t in tiles} | {f"{t} g128 bf16 tma" for t in tiles} <= names

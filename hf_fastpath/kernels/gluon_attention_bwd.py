@@ -92,7 +92,9 @@ class Launch(NamedTuple):
 # (32-row tiles, partial dQ^T summed by the reducer), a 2- or 4-slot ring at hd64 (within 2% of 3 slots). The table
 # stays for the next experiments. Session 27: "own_dq" (each consumer adds dQ_i = dS . K over its own 64 keys from
 # its accumulator at hd64 / hd128, as hd256 does: no ds_ready lockstep, no reducer, a third Q / dO slot at hd128)
-# ran at 0.62-0.76x "split" (docs/attention.md; removed, commit 4ec7344 has it).
+# ran at 0.62-0.76x "split" (docs/attention.md; removed, commit 4ec7344 has it). Session 32: 128-row query tiles at
+# hd64 (two Q / dO slots, K / V from shared memory; as register operands they spilled 1.3 KB): +0-2% full, -1 to -5%
+# causal (`archive/gluon_attention_backward_m128_s32.json`).
 VARIANTS = {"split": Launch({64: 64, 128: 64, 256: 64}, {64: 3, 128: 2, 256: 2}, (64, ))}
 DEFAULT_VARIANTS = {64: "split", 128: "split", 256: "split"}
 
@@ -621,13 +623,18 @@ if HAS_GLUON:
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        mbarrier.init(ds_ready, count=2)  # both consumers' dS^T are in shared memory
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a Q / dO slot
-        for i in gl.static_range(2):
-            mbarrier.init(dq_full.index(i), count=2)  # both consumers' dQ_i shares are in
-            mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
+        # Only the barriers the kernel uses are initialized: the allocator treats the unused ones (the dQ hand-over's
+        # at hd256) as dead and places a consumer's layout-conversion scratch on them, and plain stores to an
+        # initialized mbarrier's memory are undefined (PTX: mbarrier.inval first). At hd256 that read back NaN now
+        # and then as lse2 / delta of 5 query columns (sessions 25-32's rare tile-256 NaN; docs/attention.md).
+        if HEAD_DIM <= 128:
+            mbarrier.init(ds_ready, count=2)  # both consumers' dS^T are in shared memory
+            for i in gl.static_range(2):
+                mbarrier.init(dq_full.index(i), count=2)  # both consumers' dQ_i shares are in
+                mbarrier.init(dq_empty.index(i), count=1)  # the reducer has read them
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, ready, empty, ds_ready,
                          dq_full, dq_empty, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, km_ptr, km_b, km_plane, b,
