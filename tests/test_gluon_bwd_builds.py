@@ -98,3 +98,12 @@ def test_offsets_bound():
     q = torch.empty(1, 2**16, 256, 128, dtype=torch.bfloat16, device="meta")
     assert not gb._offsets_fit(q)
     assert gb._offsets_fit(q[:, :1024])
+
+
+@pytest.mark.skipif(not gb.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
+def test_barrier_overlaps_finds_scratch_on_an_unused_barrier():
+    # the builds' "no allocation on an mbarrier" check, on a kernel built to fail it and on its sound twin
+    builds = {b["name"]: b for b in run_build_script("barrier_overlap_control.py", timeout=300)}
+    assert [b for b in builds.values() if "error" in b] == []
+    assert builds["control barrier unused"]["barrier_overlaps"], builds
+    assert builds["control barrier used"]["barrier_overlaps"] == [], builds
