@@ -20,29 +20,36 @@ def report_path() -> str | None:
     return f"{path}.{worker}" if path and worker else path
 
 
+def nonfinite_where(tensors: dict) -> dict:
+    """Where the NaN / inf values of each tensor sit: {name: {count, shape, dim0: first 16 indices holding one,
+    dim1: ...}}, for the tensors that have any."""
+    where = {}
+    for k, x in tensors.items():
+        m = ~torch.isfinite(x)
+        if m.any():
+            idx = m.nonzero().tolist()
+            where[k] = dict(count=len(idx), shape=list(m.shape),
+                            **{f"dim{i}": sorted({row[i] for row in idx})[:16] for i in range(m.dim())})
+    return where
+
+
 def check_finite(name: str, tensors: dict, **inputs) -> None:
     """Asserts that every tensor of `tensors` is finite. A failure first goes to the report: where the non-finite
     values sit (their count and, per dimension, the first 16 indices holding one), and, with HF_FASTPATH_GPU_REPORT
-    set, the bad tensors and `inputs` are saved beside it (path.nan-<pid>-<n>.pt): the rare NaNs of sessions 25-30
-    came only inside `-n 8` runs and never again alone."""
-    bad = {k: ~torch.isfinite(x) for k, x in tensors.items()}
-    bad = {k: m for k, m in bad.items() if m.any()}
-    if not bad:
+    set, the bad tensors and `inputs` are saved beside it (path.nan-<pid>-<n>.pt): sessions 25-31's rare tile-256
+    NaN came only inside `-n 8` runs (session 32 found it with `stress_backward.py`)."""
+    where = nonfinite_where(tensors)
+    if not where:
         return
-    where = {}
-    for k, m in bad.items():
-        idx = m.nonzero().tolist()
-        where[k] = dict(count=len(idx), shape=list(m.shape),
-                        **{f"dim{i}": sorted({row[i] for row in idx})[:16] for i in range(m.dim())})
     record = dict(case=name, nonfinite=where)
     path = report_path()
     if path:
         record["saved"] = f"{path}.nan-{os.getpid()}-{len(REPORT)}.pt"
-        keep = {**inputs, **{k: tensors[k] for k in bad}}
+        keep = {**inputs, **{k: tensors[k] for k in where}}
         torch.save({k: t.detach().cpu() if isinstance(t, torch.Tensor) else t for k, t in keep.items()},
                    record["saved"])
     REPORT.append(record)
-    raise AssertionError(f"{name}: {', '.join(bad)} has NaN/inf: {where}")
+    raise AssertionError(f"{name}: {', '.join(where)} has NaN/inf: {where}")
 
 
 def needs_sm90_gluon(has_gluon: bool):

@@ -27,23 +27,19 @@ SHAPES = [(1, 2049, 32, 8, True), (1, 2049, 4, 4, True), (1, 1000, 32, 8, True),
           (2, 129, 32, 8, True), (1, 1000, 4, 4, False)]  # (batch, length, query heads, kv heads, causal)
 
 
-def _nonfinite(x: torch.Tensor) -> int:
-    return int((~torch.isfinite(x)).sum())
-
-
 def worker(seconds: float, seed: int, head_dims: list[int]) -> None:
     from hf_fastpath.attention import reference
     from hf_fastpath.kernels import gluon_attention as ga
     from hf_fastpath.kernels import gluon_attention_bwd as gb
     from hf_fastpath.kernels.flash_attention import flash_attention_backward
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    from tests.gpu.common import attention_inputs, nonfinite_where
+
     t0, n, fails = time.time(), 0, 0
     while time.time() - t0 < seconds:
         b, s, hq, hkv, causal = SHAPES[n % len(SHAPES)]
         d = head_dims[(n // len(SHAPES)) % len(head_dims)]
-        q, do = (torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        q, k, v, do = attention_inputs(b, s, s, hq, hkv, d, seed=seed * 1_000_003 + n, dout=True)
         out, lse = ga.gluon_attention_forward(q, k, v, causal=causal)
         if n % 4 == 0:
             d64 = [t.double() for t in (q, k, v, do)]
@@ -53,21 +49,15 @@ def worker(seconds: float, seed: int, head_dims: list[int]) -> None:
         dq, dk, dv = gb.gluon_attention_backward(do, q, k, v, out, lse, causal=causal)
         flash_attention_backward(do, q, k, v, out, lse, causal=causal)
         n += 1
-        named = dict(out=out, dq=dq, dk=dk, dv=dv)
-        bad = {name: _nonfinite(x) for name, x in named.items()}
-        if not any(bad.values()):
+        where = nonfinite_where(dict(out=out, dq=dq, dk=dk, dv=dv))  # [B, S, H, D]: dim1 rows, dim2 heads
+        if not where:
             continue
         fails += 1
-        rec = dict(call=n, shape=dict(batch=b, seq=s, heads=[hq, hkv], head_dim=d, causal=causal), nonfinite=bad)
-        for name, x in named.items():
-            if bad[name]:
-                idx = (~torch.isfinite(x)).nonzero()
-                rec[f"{name}_rows_heads"] = sorted({(int(r[1]), int(r[2])) for r in idx})[:16]
-                rec[f"{name}_columns"] = len({int(r[3]) for r in idx})
+        rec = dict(call=n, shape=dict(batch=b, seq=s, heads=[hq, hkv], head_dim=d, causal=causal), nonfinite=where)
         out2, lse2 = ga.gluon_attention_forward(q, k, v, causal=causal)
         rec["forward_rerun_equal"] = bool(torch.equal(out2, out) and torch.equal(lse2, lse))
         rec["backward_reruns_failing"] = sum(
-            any(_nonfinite(x) for x in gb.gluon_attention_backward(do, q, k, v, out, lse, causal=causal))
+            bool(nonfinite_where(dict(zip("qkv", gb.gluon_attention_backward(do, q, k, v, out, lse, causal=causal)))))
             for _ in range(20))
         print(json.dumps(rec), flush=True)
     print(json.dumps(dict(seed=seed, calls=n, failures=fails, seconds=round(time.time() - t0))), flush=True)
