@@ -17,6 +17,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_attention as ga  # noqa: E402
+from hf_fastpath.kernels.launch import COMPILE_OPTIONS  # noqa: E402
 from offline_builds import (barrier_overlaps, build_error, descriptor_type, dump_asm,  # noqa: E402
                             ptxas_report)
 
@@ -74,7 +75,7 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in ("out_ptr", "lse_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=ga.max_registers(cfg)))
+                          options=dict(num_warps=4, maxnreg=ga.max_registers(cfg), **COMPILE_OPTIONS))
 
 
 def cases():

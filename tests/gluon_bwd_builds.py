@@ -18,6 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_attention_bwd as gb  # noqa: E402
+from hf_fastpath.kernels.launch import COMPILE_OPTIONS  # noqa: E402
 from offline_builds import (barrier_overlaps, build_error, descriptor_type, dump_asm,  # noqa: E402
                             ptxas_report)
 
@@ -62,7 +63,8 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
     # the setmaxnreg partitions need the launch's register budget
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=gb.MAXNREG))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=gb.MAXNREG,
+                                                                            **COMPILE_OPTIONS))
 
 
 def cases():

@@ -16,6 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hf_fastpath.kernels import gluon_w4a16 as gw  # noqa: E402
+from hf_fastpath.kernels.launch import COMPILE_OPTIONS  # noqa: E402
 from offline_builds import (barrier_overlaps, build_error, descriptor_type, dump_asm,  # noqa: E402
                             ptxas_report)
 
@@ -50,7 +51,8 @@ def build(block_m, stages, plane_groups, dtype=torch.bfloat16, ptx=True, split=F
             sig[p.name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=gw.MAXNREG))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=gw.MAXNREG,
+                                                                            **COMPILE_OPTIONS))
 
 
 def cases():

@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from hf_fastpath.kernels import flash_attention as fa  # noqa: E402
+from hf_fastpath.kernels.launch import COMPILE_OPTIONS  # noqa: E402
 
 POINTERS = {"LSE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
             "SEQUSED_K": "*i32", "KEY_MASK": "*i32", "QS": "*fp32", "DOS": "*fp32", "KS": "*fp32",
@@ -39,7 +40,7 @@ def build(fn, constexprs, num_warps, num_stages, pointers=None):
                                                                         "stride_dks", "stride_dvs"))}
     src = ASTSource(fn, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **COMPILE_OPTIONS))
 
 
 def cases():

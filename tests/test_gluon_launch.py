@@ -15,6 +15,7 @@ import torch
 
 from hf_fastpath.kernels import gluon_attention as ga
 from hf_fastpath.kernels import gluon_attention_bwd as gb
+from hf_fastpath.kernels.launch import COMPILE_OPTIONS
 
 pytestmark = pytest.mark.skipif(not ga.HAS_GLUON, reason="needs Triton's Gluon (triton >= 3.6)")
 
@@ -50,10 +51,12 @@ def launches(monkeypatch):
 
 
 def _bound(recorder):
-    """The one recorded launch, bound to the kernel's parameters (launch options dropped)."""
+    """The one recorded launch, bound to the kernel's parameters (launch and compile options dropped, the pinned
+    compile options checked first)."""
     assert len(recorder.calls) == 1
     grid, args, kwargs = recorder.calls[0]
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "maxnreg")}
+    assert {k: kwargs.get(k) for k in COMPILE_OPTIONS} == COMPILE_OPTIONS
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "maxnreg", *COMPILE_OPTIONS)}
     bound = inspect.signature(recorder.kernel.fn).bind(*args, **kwargs)  # TypeError if one is missing or extra
     bound.apply_defaults()
     assert all(g > 0 for g in grid)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .common import interpreting
 from .device import on_input_device
+from .launch import COMPILE_OPTIONS
 
 __all__ = ["cross_entropy_rows_"]
 
@@ -30,7 +31,7 @@ def cross_entropy_rows_(logits: torch.Tensor, target: torch.Tensor, scale: torch
     block = min(triton.next_power_of_2(vocab), 256 if interpreting() else 4096)
     _ce_rows_kernel[(rows,)](
         logits, logits.stride(0), target, loss, scale.float(), vocab, float(softcap or 1.0),
-        HAS_SOFTCAP=softcap is not None, NEED_GRAD=need_grad, BLOCK=block, num_warps=8)
+        HAS_SOFTCAP=softcap is not None, NEED_GRAD=need_grad, BLOCK=block, num_warps=8, **COMPILE_OPTIONS)
     return loss
 
 

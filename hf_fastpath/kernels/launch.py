@@ -26,7 +26,12 @@ from triton.runtime.jit import JITFunction
 
 from .device import current_stream as _current_stream
 
-__all__ = ["LaunchCache", "cache_of", "launch_cached"]
+__all__ = ["COMPILE_OPTIONS", "LaunchCache", "cache_of", "launch_cached"]
+
+# Compile options every launch of ours pins (`fn[grid](..., **COMPILE_OPTIONS)`). FP contraction: the kernels are
+# written for FMAs (the softmax's scale-and-subtract is one), and Triton 3.9 warns on every first compile that its
+# default will change; without it they would round differently and run slower.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
 def _direct_launch_supported() -> bool:
@@ -90,19 +95,20 @@ class LaunchCache:
     def launch(self, grid, args: tuple, meta: dict, meta_key) -> None:
         if not self.enabled or _hooked(triton.knobs.runtime.launch_enter_hook) or \
                 _hooked(triton.knobs.runtime.launch_exit_hook):
-            self.fn[grid](*args, **meta)
+            self.fn[grid](*args, **meta, **COMPILE_OPTIONS)
             return
         device = _current_device()
         try:
             key = (meta_key, device, *[_arg_key(a) for a in args])
         except _Unkeyed:
-            self.fn[grid](*args, **meta)
+            self.fn[grid](*args, **meta, **COMPILE_OPTIONS)
             return
         entry = self._kernels.get(key)
         if entry is None:
             if len(args) != self._n_runtime:
                 raise TypeError(f"{self.fn.__name__}: expected {self._n_runtime} runtime arguments, got {len(args)}")
-            kernel = self.fn[grid](*args, **meta)  # compiles if needed, launches, returns the kernel it ran
+            # compiles if needed, launches, and returns the kernel it ran
+            kernel = self.fn[grid](*args, **meta, **COMPILE_OPTIONS)
             self._kernels[key] = (kernel, tuple(meta[p.name] if p.name in meta else p.default
                                                 for p in self._constexpr_params))
             return

@@ -44,6 +44,7 @@ import triton.language as tl
 from . import lowbit_quant as lq
 from .common import cdiv, interpreting, next_pow2
 from .device import on_input_device
+from .launch import COMPILE_OPTIONS
 from .row_quant import _ceil_exp2, _load_hadamard, _rotate_rows, _round_e4m3_nonneg, hadamard_pm1
 
 __all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "transpose_v", "P_SCALE"]
@@ -453,7 +454,7 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
     if scaled:
         vmax = torch.empty_like(v_scale)
         _prefix_max_kernel[(batch, hkv)](v_scale, vmax, cu_seqlens_k, HKV=hkv, BLOCK=32 if interpreting() else 1024,
-                                         num_warps=4)
+                                         num_warps=4, **COMPILE_OPTIONS)
 
     def launch(k_arg, ks_arg, v_arg, vs_arg, tma, scale_load, t_s):
         _lowbit_fwd_kernel[grid](
@@ -463,7 +464,7 @@ def _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max
             H=h, HKV=hkv, D=d, D_PAD=d_pad, CAUSAL=bool(causal), LOWP=lowp, SCALED=scaled,
             P_FP4=bool(p_fp4) and lowp, ROTATE=bool(rotate), QK_MX=qk_mx, EMULATE=interpreting(), USE_TMA=tma,
             SCALE_LOAD=scale_load,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **COMPILE_OPTIONS,
         )
 
     if qk_mx:  # K by pointer loads; the token-scale loader reads V's scales (K's are unused and dropped)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .common import cdiv, interpreting, next_pow2
 from .device import on_input_device
+from .launch import COMPILE_OPTIONS
 
 __all__ = ["quantize_e4m3_rows", "can_fuse_rotation", "hadamard_pm1", "QUANT_TILES"]
 
@@ -224,5 +225,5 @@ def quantize_e4m3_rows(x: torch.Tensor, fmt: str, transpose: bool = False, rotat
         x, y, scale, had, 1.0 / math.sqrt(d), x.stride(0), x.stride(1), x.stride(2), s, t_pad, H=h, D=d, D_PAD=d_pad,
         FMT=_FMT_CODE[fmt], TRANSPOSE=transpose, ROTATE=bool(rotate), BLOCK_T=block_t, CHUNKS=chunks,
         EMULATE=interpreting(),
-        num_warps=4)
+        num_warps=4, **COMPILE_OPTIONS)
     return y, scale

@@ -57,7 +57,7 @@ from triton.compiler.errors import CompilationError
 
 from .common import cdiv, gluon_build_failed, interpreting
 from .device import cuda_index, current_stream, num_sms, on_input_device
-from .launch import LaunchCache
+from .launch import COMPILE_OPTIONS, LaunchCache
 from .w4a16_layout import k_tile_order, w4a16_pack, w4a16_unpack  # noqa: F401  (re-exported: the public API)
 
 __all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_concat", "w4a16_matmul_concat_rows",
@@ -822,7 +822,7 @@ def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_
     args = (x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
             split_k, seg1, seg2)
     if custom:
-        _decode_kernel[grid](*args, **meta)
+        _decode_kernel[grid](*args, **meta, **COMPILE_OPTIONS)
     else:  # plan_args determine meta
         _DECODE_LAUNCH.launch(grid, args, meta, plan_args)
     return out
@@ -849,7 +849,7 @@ def _decode_grad_input(dy2, qweight, scales, zeros, group_size, dx, cfg=None, sp
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_GROUPS=_tile_groups(group_size, k),
         PLANE_GROUPS=_plane_groups(group_size, k), EVEN_K=k % _BLOCK_K == 0, ATOMIC=split_n > 1,
         USE_PTX=_use_ptx(dy2.device, dy2.dtype), FP32_DOT=interpret,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **COMPILE_OPTIONS)
     if split_n > 1:
         dx.copy_(target)
     return dx
@@ -866,7 +866,7 @@ def _dequantize(qweight, scales, zeros, group_size, dtype, use_ptx=None):
     _dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n,
                           TILE_GROUPS=_tile_groups(group_size, k), PLANE_GROUPS=_plane_groups(group_size, k),
                           EVEN_K=k % _BLOCK_K == 0, USE_PTX=use_ptx,
-                          num_warps=warps)
+                          num_warps=warps, **COMPILE_OPTIONS)
     return w
 
 
