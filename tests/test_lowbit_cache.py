@@ -1,5 +1,7 @@
 """Low-bit KV cache (Transformers Cache subclass) and the packed split-KV decode kernel."""
 
+import inspect
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -65,6 +67,11 @@ def test_packed_kv_stand_in_is_safe():
     torch.testing.assert_close(kt.sum(), full.sum())
 
 
+def _cache_keyword(model) -> str:
+    """How forward and generate take a KV cache: `cache` since Transformers 5.24, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @pytest.mark.parametrize("fmt,attn,packed", [("fp8", "eager", False), ("mxfp4", "fastpath_fp4", True),
                                              ("fp8", "fastpath_fp8", True)])
 def test_decode_steps_with_lowbit_cache(fmt, attn, packed, monkeypatch):
@@ -80,11 +87,12 @@ def test_decode_steps_with_lowbit_cache(fmt, attn, packed, monkeypatch):
     model = tiny_model("llama", attn, hidden_size=128)
     ref_cache, cache = DynamicCache(), LowBitCache(fmt, packed_decode=packed)
     with torch.no_grad():
-        ref = [ref_model(ids, past_key_values=ref_cache).logits[:, -1]]
-        got = [model(ids, past_key_values=cache).logits[:, -1]]
+        kw = _cache_keyword(model)
+        ref = [ref_model(ids, **{kw: ref_cache}).logits[:, -1]]
+        got = [model(ids, **{kw: cache}).logits[:, -1]]
         for t in range(steps.shape[1]):
-            ref.append(ref_model(steps[:, t:t + 1], past_key_values=ref_cache).logits[:, -1])
-            got.append(model(steps[:, t:t + 1], past_key_values=cache).logits[:, -1])
+            ref.append(ref_model(steps[:, t:t + 1], **{kw: ref_cache}).logits[:, -1])
+            got.append(model(steps[:, t:t + 1], **{kw: cache}).logits[:, -1])
     assert cache.get_seq_length() == 15
     assert len(calls) == (3 * 2 if packed else 0)  # every decode step of both layers read the packed cache
     for a, b in zip(ref, got):
@@ -97,7 +105,8 @@ def test_generate_accepts_lowbit_cache():
 
     model = tiny_model("llama", "fastpath_fp8", hidden_size=128)
     cache = LowBitCache("nvfp4", packed_decode=True)
-    out = model.generate(torch.randint(1, 128, (1, 6)), max_new_tokens=4, do_sample=False, past_key_values=cache)
+    out = model.generate(torch.randint(1, 128, (1, 6)), max_new_tokens=4, do_sample=False,
+                         **{_cache_keyword(model): cache})
     assert out.shape == (1, 10) and cache.get_seq_length() == 9
 
 

@@ -1,7 +1,7 @@
 """`LowBitCache`: a Transformers KV cache that stores keys and values in FP8 or FP4 with per-token scales.
 
     cache = hf_fastpath.LowBitCache("fp8")          # or "mxfp4", "nvfp4"
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, cache=cache)           # `past_key_values=cache` before Transformers 5.24
 
 Each token is quantized once when it enters the cache (scales along the head dim only), so appending never
 re-quantizes and a later token never changes an earlier one. Memory per cached value: 8 bits + 32/D (fp8),
@@ -218,7 +218,8 @@ class LowBitLayer(DynamicLayer):
 
 
 class LowBitCache(DynamicCache):
-    """KV cache in FP8 (`"fp8"`) or FP4 (`"mxfp4"`, `"nvfp4"`); pass as `past_key_values` to `generate` or forward.
+    """KV cache in FP8 (`"fp8"`) or FP4 (`"mxfp4"`, `"nvfp4"`); pass it to `generate` or forward as `cache`
+    (`past_key_values` before Transformers 5.24).
     `packed_decode=True` lets hf_fastpath's low-bit attention read the packed cache in decode steps."""
 
     def __init__(self, fmt: str = "fp8", *, packed_decode: bool = False):

@@ -93,7 +93,8 @@ class BlockInputs:
         return len(self.hidden)
 
 
-_DROPPED_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache", "output_attentions")
+# what a block is not replayed with: the KV cache (`cache` since Transformers 5.24, `past_key_values` before) and flags
+_DROPPED_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "use_cache", "output_attentions")
 
 
 def _move(obj, device):
