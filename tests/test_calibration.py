@@ -137,6 +137,54 @@ def test_awq_scale_folding_keeps_the_float_function(family):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5)
 
 
+def drifted_inputs(x_float: torch.Tensor, seed: int = 3) -> torch.Tensor:
+    """What a layer sees after earlier layers were quantized: its float inputs through a small linear distortion,
+    plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    k = x_float.shape[1]
+    drift = torch.eye(k) + 0.1 * torch.randn(k, k, generator=g) / k**0.5
+    return x_float @ drift + 0.01 * torch.randn(x_float.shape, generator=g)
+
+
+@pytest.mark.parametrize("bits,desc_act", [(3, False), (4, True), (8, False)])
+def test_gptaq_fits_the_float_output_from_drifted_inputs(bits, desc_act):
+    """GPTAQ: the layer sees drifted inputs x but should reproduce the float model's x_float @ wᵀ. Plain GPTQ fits
+    x @ wᵀ and keeps the drift; GPTAQ's error falls as alpha grows and, with a fine grid, reaches the least-squares
+    floor."""
+    k, n, gs = 160, 48, 32
+    x_float = correlated_inputs(1024, k)
+    x = drifted_inputs(x_float)
+    w = torch.randn(n, k) * 0.02
+    target = x_float @ w.t()
+    plain, gptaq = GPTQ(k), GPTQ(k)
+    for chunk, float_chunk in zip(x.split(300), x_float.split(300)):
+        plain.add_batch(chunk)
+        gptaq.add_batch(chunk, float_chunk)
+    torch.testing.assert_close(gptaq.H, plain.H)
+    torch.testing.assert_close(gptaq.D, 2 * (x_float - x).t() @ x / x.shape[0], rtol=1e-4, atol=1e-4)
+
+    def error(q) -> float:
+        return float(((x @ q.dequantize().t() - target) ** 2).sum())
+
+    settings = dict(bits=bits, group_size=gs, sym=False, desc_act=desc_act)
+    errors = [error(plain.quantize(w, **settings)[0])]
+    errors += [error(gptaq.quantize(w, **settings, gptaq_alpha=alpha)[0]) for alpha in (0.25, 0.5, 1.0)]
+    assert all(later < 0.9 * earlier for earlier, later in zip(errors, errors[1:])), errors
+    floor = float(((x @ torch.linalg.lstsq(x, target).solution - target) ** 2).sum())
+    if bits == 8:
+        assert errors[-1] < 2 * floor, (errors, floor)
+
+
+def test_gptaq_inputs_must_be_given_for_every_batch_or_none():
+    x = correlated_inputs(64, 16)
+    gptq = GPTQ(16)
+    gptq.add_batch(x)
+    with pytest.raises(ValueError, match="x_float"):
+        gptq.add_batch(x, x)
+    with pytest.raises(ValueError, match="rows"):
+        GPTQ(16).add_batch(x, x[:10])
+
+
 # ------------------------------------------------------------------------------------------------ whole models
 
 
@@ -191,44 +239,88 @@ def test_gptq_true_sequential_beats_rtn_on_a_model(calibration_ids):
     assert errors["gptq"] < errors["rtn"], errors
 
 
-@pytest.mark.parametrize("desc_act", [False, True])
-def test_gptq_pipeline_calibrates_each_linear_on_the_quantized_model_inputs(calibration_ids, monkeypatch, desc_act):
-    """What every GPTQ linear was calibrated on must be exactly what it sees in the final quantized model: block i's
-    inputs come from blocks < i already quantized, a block's later linears from its earlier ones already quantized, and
-    the W4A16 layers hold exactly the weights the later Hessians were collected with."""
-    from hf_fastpath.quantization.linear import W4A16Linear
-
-    model = tiny_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3)
-    seen = []  # (GPTQ accumulator, inputs) in calibration order
-    original = GPTQ.add_batch
-
-    def recording_add_batch(self, x):
-        seen.append((self, x.detach().clone()))
-        return original(self, x)
-
-    monkeypatch.setattr(GPTQ, "add_batch", recording_add_batch)
-    quantize_model(model, dict(method="gptq", bits=4, group_size=32, sym=False, desc_act=desc_act, batch_size=4),
-                   calibration_ids=calibration_ids)
-    monkeypatch.undo()
-
-    final = {}  # first linear of each input group -> its inputs in the finished model, batch by batch
-    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: final.setdefault(n, []).append(a[0].detach().clone()))
-             for n, m in model.named_modules() if isinstance(m, W4A16Linear)]
+def linear_inputs(model, ids, batch_size, kind):
+    """Each `kind` module's input in `model`, batch by batch: {name: [tensor, ...]}."""
+    inputs = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: inputs.setdefault(n, []).append(a[0].detach().clone()))
+             for n, m in model.named_modules() if isinstance(m, kind)]
     with torch.no_grad():
-        for batch in calibration_ids.split(4):
+        for batch in ids.split(batch_size):
             model(batch)
     for h in hooks:
         h.remove()
+    return inputs
+
+
+def test_gptaq_tracks_the_float_model_closer_than_gptq(calibration_ids):
+    ids = torch.randint(1, VOCAB, (4, 32), generator=torch.Generator().manual_seed(2))
+    errors = {}
+    for name, extra in (("gptq", {}), ("gptaq", {"gptaq": True})):
+        torch.manual_seed(0)
+        model = tiny_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4)
+        with torch.no_grad():
+            reference = model(ids).logits
+        quantize_model(model, dict(method="gptq", bits=3, group_size=32, **extra), calibration_ids=calibration_ids)
+        with torch.no_grad():
+            errors[name] = float((model(ids).logits - reference).norm())
+    assert errors["gptaq"] < 0.95 * errors["gptq"], errors
+
+
+def test_gptaq_settings_are_checked():
+    from hf_fastpath import W4A16Config
+
+    with pytest.raises(ValueError, match="gptaq applies to method='gptq'"):
+        W4A16Config(method="awq", gptaq=True)
+    with pytest.raises(ValueError, match="gptaq_alpha"):
+        W4A16Config(gptaq=True, gptaq_alpha=0)
+
+
+@pytest.mark.parametrize("desc_act,gptaq", [(False, False), (True, False), (False, True)])
+def test_gptq_pipeline_calibrates_each_linear_on_the_quantized_model_inputs(calibration_ids, monkeypatch, desc_act,
+                                                                            gptaq):
+    """What every GPTQ linear was calibrated on must be exactly what it sees in the final quantized model: block i's
+    inputs come from blocks < i already quantized, a block's later linears from its earlier ones already quantized, and
+    the W4A16 layers hold exactly the weights the later Hessians were collected with. With GPTAQ, each batch is
+    paired with what the same linear sees in the float model."""
+    import copy
+
+    from torch import nn
+
+    from hf_fastpath.quantization.linear import W4A16Linear
+
+    model = tiny_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3)
+    float_model = copy.deepcopy(model)
+    seen = []  # (GPTQ accumulator, inputs, float inputs) in calibration order
+    original = GPTQ.add_batch
+
+    def recording_add_batch(self, x, x_float=None):
+        seen.append((self, x.detach().clone(), None if x_float is None else x_float.detach().clone()))
+        return original(self, x, x_float)
+
+    monkeypatch.setattr(GPTQ, "add_batch", recording_add_batch)
+    quantize_model(model, dict(method="gptq", bits=4, group_size=32, sym=False, desc_act=desc_act, batch_size=4,
+                               gptaq=gptaq), calibration_ids=calibration_ids)
+    monkeypatch.undo()
+
+    # first linear of each input group -> its inputs in the finished (and in the float) model, batch by batch
+    final = linear_inputs(model, calibration_ids, 4, W4A16Linear)
+    float_final = linear_inputs(float_model, calibration_ids, 4, nn.Linear)
     # Calibration order is block by block, group by group: q (q/k/v share it), o, gate (gate/up share it), down.
     order = [f"model.layers.{i}.{n}" for i in range(3)
              for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
-    accumulators = list(dict.fromkeys(acc for acc, _ in seen))
+    accumulators = list(dict.fromkeys(acc for acc, _, _ in seen))
     assert len(accumulators) == len(order)
     for name, acc in zip(order, accumulators):
-        calibrated = [x for a, x in seen if a is acc]
+        calibrated = [(x, x_float) for a, x, x_float in seen if a is acc]
         assert len(calibrated) == len(final[name]) == 2, name
-        for x_cal, x_final in zip(calibrated, final[name]):
+        for (x_cal, x_float), x_final, x_float_final in zip(calibrated, final[name], float_final[name]):
             torch.testing.assert_close(x_cal, x_final, rtol=1e-5, atol=1e-5, msg=name)
+            if gptaq:
+                torch.testing.assert_close(x_float, x_float_final, rtol=1e-5, atol=1e-5, msg=name)
+            else:
+                assert x_float is None
+    if gptaq:  # the drift GPTAQ corrects: inputs after the first group differ from the float model's
+        assert not torch.allclose(final[order[-1]][0], float_final[order[-1]][0], atol=1e-3)
 
 
 def test_unknown_method_is_a_clear_error():

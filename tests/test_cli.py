@@ -50,7 +50,8 @@ def _eval(capsys, path, *extra) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("method,flags", [("gptq", ["--desc-act"]), ("awq", []), ("rtn", ["--asym"])])
+@pytest.mark.parametrize("method,flags", [("gptq", ["--desc-act"]), ("gptq", ["--gptaq"]), ("awq", []),
+                                          ("rtn", ["--asym"])])
 def test_quantize_then_eval_round_trip(model_dir, tmp_path, capsys, method, flags):
     out = tmp_path / f"{method}"
     argv = ["quantize", str(model_dir), str(out), "--method", method, "--group-size", "32", "--dataset",
@@ -59,6 +60,9 @@ def test_quantize_then_eval_round_trip(model_dir, tmp_path, capsys, method, flag
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == ("awq" if method == "awq" else "gptq")
     assert config["bits"] == 4 and config["group_size"] == 32
+    if method == "gptq":
+        assert config["desc_act"] == ("--desc-act" in flags)
+        assert config["meta"]["gptaq_alpha"] == (0.25 if "--gptaq" in flags else 0.0)
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
 
     fp = _eval(capsys, model_dir, "--dataset", str(model_dir / "calib.txt"))

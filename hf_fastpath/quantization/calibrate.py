@@ -4,12 +4,15 @@ The model stays where it is (usually the CPU); one decoder block at a time moves
 available), so a model larger than GPU memory still calibrates on one GPU. Calibration inputs of block i are the
 outputs of block i-1 after it was quantized (GPTQ; AWQ uses the float outputs as its reference does). Inside a block
 GPTQ is "true sequential": linears sharing an input (q/k/v, gate/up) are quantized together, in execution order, each
-group's Hessian collected with the earlier groups already quantized. At the end every quantized linear is replaced by
-a `W4A16Linear`. `config` is a `W4A16Config` (or anything with the same attributes).
+group's Hessian collected with the earlier groups already quantized. With `gptaq`, a float copy of each block runs
+beside it on the float model's hidden states, and each linear is fitted to the float copy's output (`gptq.GPTQ`,
+GPTAQ). At the end every quantized linear is replaced by a `W4A16Linear`. `config` is a `W4A16Config` (or anything
+with the same attributes).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -104,6 +107,7 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
         was_training = model.training
         model.eval()
         inputs = capture_block_inputs(model, layers[0], ids, plan.batch_size, dev)
+        float_hidden = inputs.hidden  # GPTAQ: the float model's hidden states (the same tensors until block 0 ends)
         for i, layer in enumerate(_tqdm(layers, desc=s.method.upper(), unit="block")):
             home = next(layer.parameters()).device
             layer.to(dev)
@@ -111,8 +115,14 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
             for name, m in linears.items():
                 resolve_group_size(s.group_size, linear_weight(m).shape[1])  # fail early with a clear message
             if s.method == "gptq":
-                block_results = _gptq_block(layer, inputs, linears, s)
+                reference = None
+                if s.gptaq:
+                    reference = (copy.deepcopy(layer), float_hidden)
+                block_results = _gptq_block(layer, inputs, linears, s, reference)
                 outputs = run_block(layer, inputs)
+                if reference is not None:
+                    float_hidden = run_block(reference[0], BlockInputs(hidden=float_hidden, kwargs=inputs.kwargs))
+                    del reference
             else:
                 from .awq import AWQSettings, awq_block
 
@@ -158,33 +168,48 @@ def _calibration_ids(model, s: W4A16Config, plan: _Calibration, tokenizer) -> to
     return calibration_windows(tokenizer, data, plan.num_samples, plan.seq_len)
 
 
-def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Module], s: W4A16Config):
-    """GPTQ every linear of one block; their weights are replaced by the dequantized result as it goes."""
+def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Module], s: W4A16Config,
+                reference: tuple[nn.Module, list[torch.Tensor]] | None = None):
+    """GPTQ every linear of one block; their weights are replaced by the dequantized result as it goes.
+
+    `reference`: GPTAQ's (float copy of the block, the float model's hidden states), whose linears' inputs each
+    Hessian is paired with."""
     groups = input_groups(layer, linears, inputs.hidden[0], inputs.kwargs[0])
     stages = [[g] for g in groups] if s.true_sequential else [groups]
     device = inputs.hidden[0].device
+    float_linears = find_linears(reference[0], ()) if reference is not None else {}
     results = {}
     for stage in stages:
         # Linears that share an input share one Hessian.
         accs = [GPTQ(linear_weight(linears[g.names[0]]).shape[1], device=device) for g in stage]
         pending: set[int] = set()
+        float_inputs: dict[int, torch.Tensor] = {}
 
-        def make_hook(j):
+        def make_hook(j, acc=None):  # acc None: the float copy's linear, whose input waits for the quantized one's
             def hook(module, args):
-                accs[j].add_batch(args[0])
+                if acc is None:
+                    float_inputs[j] = args[0]
+                else:
+                    acc.add_batch(args[0], float_inputs.pop(j, None))
                 pending.discard(j)
                 if not pending:  # the rest of the block is not needed for this stage
                     raise StopForward
             return hook
 
-        handles = [linears[g.names[0]].register_forward_pre_hook(make_hook(j)) for j, g in enumerate(stage)]
+        handles = [linears[g.names[0]].register_forward_pre_hook(make_hook(j, acc)) for j, (g, acc)
+                   in enumerate(zip(stage, accs))]
+        handles += [float_linears[g.names[0]].register_forward_pre_hook(make_hook(j)) for j, g in enumerate(stage)
+                    if reference is not None]
+        batches = zip(inputs.hidden, inputs.kwargs, reference[1] if reference is not None else inputs.hidden)
         try:
-            for hidden, kw in zip(inputs.hidden, inputs.kwargs):
-                pending.update(range(len(stage)))
-                try:
-                    layer(hidden, **kw)
-                except StopForward:
-                    pass
+            for hidden, kw, float_hidden in batches:
+                runs = ((reference[0], float_hidden), (layer, hidden)) if reference is not None else ((layer, hidden),)
+                for block, x in runs:
+                    pending.update(range(len(stage)))
+                    try:
+                        block(x, **kw)
+                    except StopForward:
+                        pass
         finally:
             for h in handles:
                 h.remove()
@@ -193,7 +218,8 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
             # share this input (q/k/v, gate/up) gives the same result as one pass each, with a third of the loops.
             weights = [linear_weight(linears[n]).detach() for n in g.names]
             q, loss = acc.quantize(torch.cat(weights), bits=s.bits, group_size=s.group_size, sym=s.sym,
-                                   desc_act=s.desc_act, static_groups=s.static_groups, damp_percent=s.damp_percent)
+                                   desc_act=s.desc_act, static_groups=s.static_groups, damp_percent=s.damp_percent,
+                                   gptaq_alpha=s.gptaq_alpha)
             logger.debug("GPTQ %s: loss %.4g", "+".join(g.names), loss)
             start = 0
             for name, w in zip(g.names, weights):

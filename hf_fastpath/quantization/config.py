@@ -32,6 +32,10 @@ class W4A16Config(QuantizationConfigMixin):
         checkpoint_format: GPTQ storage, "gptq" (v1, read by every tool) or "gptq_v2". v1 cannot store a zero
             point of 0: if asymmetric quantization produces one, the model is saved as "gptq_v2" (with a warning).
         true_sequential, static_groups, damp_percent: GPTQ options.
+        gptaq: GPTQ fits each linear to the float model's output computed from the float model's own inputs (GPTAQ,
+            "asymmetric calibration"), so it corrects the error of the layers quantized before it; it carries a
+            float copy of each block and its hidden states through calibration (about twice the forward work).
+        gptaq_alpha: how far (0-1] GPTAQ moves the target toward its least-squares optimum.
         tokenizer: tokenizer (or its path) for the calibration text; default: the model's own path.
         batch_size: calibration sequences per forward (default: ~8192 tokens a batch).
         awq_duo_scaling, awq_search_tokens: AWQ options (scales from activations and weights; tokens per search).
@@ -54,6 +58,8 @@ class W4A16Config(QuantizationConfigMixin):
         true_sequential: bool = True,
         static_groups: bool = False,
         damp_percent: float = 0.01,
+        gptaq: bool = False,
+        gptaq_alpha: float = 0.25,
         tokenizer: Any = None,
         batch_size: int | None = None,
         awq_duo_scaling: bool = True,
@@ -74,6 +80,8 @@ class W4A16Config(QuantizationConfigMixin):
         self.true_sequential = true_sequential
         self.static_groups = static_groups
         self.damp_percent = damp_percent
+        self.gptaq = gptaq
+        self.gptaq_alpha = gptaq_alpha
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.awq_duo_scaling = awq_duo_scaling
@@ -93,6 +101,10 @@ class W4A16Config(QuantizationConfigMixin):
             raise ValueError(f"W4A16Config(checkpoint_format={self.checkpoint_format!r}): use 'gptq' or 'gptq_v2'")
         if self.desc_act and self.method != "gptq":
             raise ValueError("desc_act (act-order) applies to method='gptq' only")
+        if self.gptaq and self.method != "gptq":
+            raise ValueError("gptaq applies to method='gptq' only")
+        if not 0 < self.gptaq_alpha <= 1:
+            raise ValueError(f"W4A16Config(gptaq_alpha={self.gptaq_alpha}): must lie in (0, 1]")
         if not 0 < self.damp_percent < 1:
             raise ValueError(f"W4A16Config(damp_percent={self.damp_percent}): must lie in (0, 1)")
 
@@ -120,4 +132,5 @@ class W4A16Config(QuantizationConfigMixin):
                           true_sequential=self.true_sequential,
                           format=checkpoint_format or self.checkpoint_format,
                           meta={"quantizer": [f"hf_fastpath:{__version__}"], "method": self.method,
-                                "static_groups": self.static_groups})
+                                "static_groups": self.static_groups,
+                                "gptaq_alpha": self.gptaq_alpha if self.gptaq else 0.0})

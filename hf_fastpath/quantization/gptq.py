@@ -3,6 +3,13 @@ onto the columns not yet quantized through the inverse Hessian of the layer's re
 
 Usage: `g = GPTQ(in_features)`, `g.add_batch(x)` for every calibration input (any leading shape), then
 `g.quantize(weight, bits=..., group_size=..., sym=..., desc_act=..., static_groups=...)`.
+
+GPTAQ (Li et al., 2025, "asymmetric calibration"): `add_batch(x, x_float)` also passes what the layer sees in the
+float model. The loss becomes ||W X_float - Q X||², which corrects the error earlier quantized layers left in X
+instead of inheriting it. Its minimizer without the grid is W* = W + W ΔXᵀX H⁻¹ (ΔX = X_float - X, H = XᵀX), and
+||W X_float - Q X||² = ||(W* - Q) X||² + const, so GPTQ on the target W* with the same H solves it.
+`quantize(..., gptaq_alpha=a)` moves the target a fraction a of the way to W* (a < 1 regularizes: the correction
+is fitted on the calibration text only).
 """
 
 from __future__ import annotations
@@ -19,29 +26,45 @@ logger = logging.getLogger(__name__)
 
 
 class GPTQ:
-    """Accumulates H = 2/n Σ x xᵀ over the calibration inputs of one linear layer and quantizes its weight."""
+    """Accumulates H = 2/n Σ x xᵀ over the calibration inputs of one linear layer and quantizes its weight (with
+    float inputs, also D = 2/n Σ (x_float - x)ᵀ x for GPTAQ's target)."""
 
     def __init__(self, in_features: int, device=None):
         self.in_features = in_features
         self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.D = None
         self.nsamples = 0
 
-    @torch.no_grad()
-    def add_batch(self, x: torch.Tensor) -> None:
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=torch.float32)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        return x
+
+    @torch.no_grad()
+    def add_batch(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
+        x = self._rows(x)
+        if x_float is not None:
+            x_float = self._rows(x_float)
+            if x_float.shape != x.shape:
+                raise ValueError(f"x_float has {x_float.shape[0]} rows, x has {x.shape[0]}")
+        if self.nsamples and (x_float is None) != (self.D is None):
+            raise ValueError("pass x_float to every add_batch of a GPTQ accumulator or to none")
         m = x.shape[0]
-        # Running mean of 2 x xᵀ: rescale the old sum, then add the new rows scaled by sqrt(2 / n).
-        self.H.mul_(self.nsamples / (self.nsamples + m))
+        # Running means of 2 x xᵀ (and 2 Δxᵀ x): rescale the old sums, then add the new rows scaled by sqrt(2 / n).
+        keep = self.nsamples / (self.nsamples + m)
         self.nsamples += m
-        x = x * math.sqrt(2 / self.nsamples)
-        self.H.addmm_(x.t(), x)
+        root = math.sqrt(2 / self.nsamples)
+        self.H.mul_(keep).addmm_(x.t() * root, x * root)
+        if x_float is not None:
+            if self.D is None:
+                self.D = torch.zeros_like(self.H)
+            self.D.mul_(keep).addmm_((x_float - x).t() * root, x * root)
 
     @torch.no_grad()
     def quantize(self, weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
                  desc_act: bool = False, static_groups: bool = False, damp_percent: float = 0.01,
-                 block_size: int = 128, scale_dtype: torch.dtype | None = torch.float16):
+                 block_size: int = 128, scale_dtype: torch.dtype | None = torch.float16, gptaq_alpha: float = 1.0):
         """Returns `(QuantizedWeight, loss)`; `weight` in nn.Linear layout `[out, in]` (not modified)."""
         check_bits(bits)
         if self.nsamples == 0:
@@ -54,6 +77,8 @@ class GPTQ:
         # Inputs that are always zero carry no information: their weights do not matter, pin them to 0.
         dead = torch.diag(H) == 0
         H[dead, dead] = 1
+        if self.D is not None and gptaq_alpha:
+            W += gptaq_alpha * self._target_shift(W, H, damp_percent)
         W[:, dead] = 0
 
         n_groups = -(-cols // gs)  # the last group may be shorter
@@ -127,6 +152,17 @@ class GPTQ:
             group_size=group_size,
         )
         return result, float(losses.sum())
+
+    def _target_shift(self, W: torch.Tensor, H: torch.Tensor, damp_percent: float) -> torch.Tensor:
+        """W D H⁻¹ (H dampened as GPTQ dampens it): how far GPTAQ's unconstrained optimum lies from W."""
+        Hd = H.clone()
+        Hd.diagonal().add_(damp_percent * torch.mean(torch.diag(H)))
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info != 0:
+            logger.warning("GPTAQ: the dampened Hessian is not positive definite; quantizing toward W itself")
+            return torch.zeros_like(W)
+        # (W D) H⁻¹ = (H⁻¹ Dᵀ Wᵀ)ᵀ, H symmetric
+        return torch.cholesky_solve((W @ self.D).t(), L).t()
 
     @staticmethod
     def _inverse_cholesky(H: torch.Tensor, damp_percent: float) -> torch.Tensor:

@@ -91,7 +91,7 @@ def quantize_command(args) -> int:
     device = pick_device(args.device)
     config = W4A16Config(
         method=args.method, bits=args.bits, group_size=args.group_size, sym=not args.asym if args.asym else None,
-        desc_act=args.desc_act, dataset=args.dataset, num_samples=args.num_samples, seq_len=args.seq_len,
+        desc_act=args.desc_act, gptaq=args.gptaq, dataset=args.dataset, num_samples=args.num_samples, seq_len=args.seq_len,
         device=str(device),
     )
     start = time.perf_counter()
@@ -103,7 +103,7 @@ def quantize_command(args) -> int:
     model.save_pretrained(out)
     copied = copy_tokenizer_files(args.model_dir, out)
     print(f"quantized {args.model_dir} with {args.method.upper()} {args.bits}-bit g{args.group_size}"
-          f"{' act-order' if args.desc_act else ''} in {elapsed:.1f} s -> {out} "
+          f"{' act-order' if args.desc_act else ''}{' GPTAQ' if args.gptaq else ''} in {elapsed:.1f} s -> {out} "
           f"(tokenizer files: {', '.join(copied) or 'none found'})")
     return 0
 
