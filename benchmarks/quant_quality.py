@@ -170,18 +170,22 @@ def build_model(state, config, device, dtype):
 # symmetric one (the `sym` row shows by how much); AWQ is asymmetric by construction.
 RUNS = [
     ("rtn4", dict(method="rtn", bits=4, sym=False), None),
-    ("gptq4", dict(method="gptq", bits=4, sym=False), "gptq_calibration"),
+    ("gptq4", dict(method="gptq", bits=4, sym=False, gptaq=False), "gptq_calibration"),
     ("rtn3", dict(method="rtn", bits=3, sym=False), None),
-    ("gptq3", dict(method="gptq", bits=3, sym=False), "gptq_calibration"),
+    ("gptq3", dict(method="gptq", bits=3, sym=False, gptaq=False), "gptq_calibration"),
     ("awq4", dict(method="awq", bits=4), "awq_calibration"),
-    ("gptq4+act_order", dict(method="gptq", bits=4, sym=False, desc_act=True), "gptq_calibration"),
-    ("gptq4 bible-only calibration", dict(method="gptq", bits=4, sym=False), "gptq_calibration_bible"),
+    ("gptq4+act_order", dict(method="gptq", bits=4, sym=False, desc_act=True, gptaq=False), "gptq_calibration"),
+    ("gptq4+act_order+gptaq", dict(method="gptq", bits=4, sym=False, desc_act=True, gptaq=True), "gptq_calibration"),
+    ("gptq3+act_order+gptaq", dict(method="gptq", bits=3, sym=False, desc_act=True, gptaq=True), "gptq_calibration"),
+    ("gptq4+gptaq", dict(method="gptq", bits=4, sym=False, gptaq=True), "gptq_calibration"),
+    ("gptq4 sym+gptaq", dict(method="gptq", bits=4, sym=True, gptaq=True), "gptq_calibration"),
+    ("gptq4 bible-only calibration", dict(method="gptq", bits=4, sym=False, gptaq=False), "gptq_calibration_bible"),
     ("rtn4 sym", dict(method="rtn", bits=4, sym=True), None),
     ("rtn4 g32", dict(method="rtn", bits=4, sym=False, group_size=32), None),
     ("rtn8", dict(method="rtn", bits=8, sym=False), None),
-    ("gptq3+act_order", dict(method="gptq", bits=3, sym=False, desc_act=True), "gptq_calibration"),
-    ("gptq4 sym", dict(method="gptq", bits=4, sym=True), "gptq_calibration"),
-    ("gptq4 g32", dict(method="gptq", bits=4, sym=False, group_size=32), "gptq_calibration"),
+    ("gptq3+act_order", dict(method="gptq", bits=3, sym=False, desc_act=True, gptaq=False), "gptq_calibration"),
+    ("gptq4 sym", dict(method="gptq", bits=4, sym=True, gptaq=False), "gptq_calibration"),
+    ("gptq4 g32", dict(method="gptq", bits=4, sym=False, group_size=32, gptaq=False), "gptq_calibration"),
     ("awq3", dict(method="awq", bits=3), "awq_calibration"),
 ]
 
@@ -211,7 +215,7 @@ def run(parts: list[Path], out: Path, budget_s: float, group_size: int, eval_len
         "calibration": {"text": "mixed: bible-calib (Old Testament, KJV) + python-docs (CPython's pydoc_data), "
                                 "half the windows each; the bible-only row uses bible-calib alone",
                         "gptq": list(data["gptq_calibration"].shape), "awq": list(data["awq_calibration"].shape)},
-        "settings": {"gptq": "damp 0.01, true-sequential, block 128, static_groups off",
+        "settings": {"gptq": "damp 0.01, true-sequential, block 128, static_groups off; +gptaq: alpha 0.25",
                      "awq": "asym, 20-point grid, duo scaling, clip search", "group_size_default": group_size},
         "evaluation": {"protocol": f"non-overlapping windows of {eval_len} tokens, stride {eval_len}",
                        "tokens": {k: int(v.numel()) for k, v in evals.items()}},
@@ -276,7 +280,8 @@ def _targets(result) -> dict:
             out[f"gptq4/fp ({k}), target <= 1.05"] = round(by["gptq4"][k] / fp[k], 4)
         if "gptq3" in by and "rtn3" in by:
             out[f"gptq3/rtn3 ({k}), target <= 0.6"] = round(by["gptq3"][k] / by["rtn3"][k], 4)
-        ranking = sorted((m for m in ("rtn4", "gptq4", "gptq4+act_order", "awq4") if m in by), key=lambda m: by[m][k])
+        ranking = sorted((m for m in ("rtn4", "gptq4", "gptq4+act_order", "gptq4+act_order+gptaq", "awq4") if m in by),
+                         key=lambda m: by[m][k])
         out[f"4-bit ranking ({k}), best first"] = " < ".join(ranking)
     return out
 

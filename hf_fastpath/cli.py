@@ -15,8 +15,9 @@ def _add_quantize(sub):
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
-    p.add_argument("--gptaq", action="store_true",
-                   help="GPTQ fitted to the float model's outputs (GPTAQ): corrects earlier layers' error")
+    p.add_argument("--gptaq", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ fitted to the float model's outputs (GPTAQ; default on): corrects earlier layers' "
+                   "error, about twice the calibration time; --no-gptaq for classic GPTQ")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero point) quantization")
     p.add_argument("--dataset", default=None,
                    help="calibration text: 'mixed' (default: Old Testament + Python language reference), "

@@ -255,7 +255,7 @@ def linear_inputs(model, ids, batch_size, kind):
 def test_gptaq_tracks_the_float_model_closer_than_gptq(calibration_ids):
     ids = torch.randint(1, VOCAB, (4, 32), generator=torch.Generator().manual_seed(2))
     errors = {}
-    for name, extra in (("gptq", {}), ("gptaq", {"gptaq": True})):
+    for name, extra in (("gptq", {"gptaq": False}), ("gptaq", {})):  # GPTAQ is GPTQ's default
         torch.manual_seed(0)
         model = tiny_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4)
         with torch.no_grad():
@@ -269,6 +269,8 @@ def test_gptaq_tracks_the_float_model_closer_than_gptq(calibration_ids):
 def test_gptaq_settings_are_checked():
     from hf_fastpath import W4A16Config
 
+    assert W4A16Config().gptaq and W4A16Config(gptaq=False).gptaq is False
+    assert not W4A16Config(method="awq").gptaq and not W4A16Config(method="rtn").gptaq
     with pytest.raises(ValueError, match="gptaq applies to method='gptq'"):
         W4A16Config(method="awq", gptaq=True)
     with pytest.raises(ValueError, match="gptaq_alpha"):

@@ -50,7 +50,7 @@ def _eval(capsys, path, *extra) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("method,flags", [("gptq", ["--desc-act"]), ("gptq", ["--gptaq"]), ("awq", []),
+@pytest.mark.parametrize("method,flags", [("gptq", ["--desc-act"]), ("gptq", ["--no-gptaq"]), ("awq", []),
                                           ("rtn", ["--asym"])])
 def test_quantize_then_eval_round_trip(model_dir, tmp_path, capsys, method, flags):
     out = tmp_path / f"{method}"
@@ -62,7 +62,7 @@ def test_quantize_then_eval_round_trip(model_dir, tmp_path, capsys, method, flag
     assert config["bits"] == 4 and config["group_size"] == 32
     if method == "gptq":
         assert config["desc_act"] == ("--desc-act" in flags)
-        assert config["meta"]["gptaq_alpha"] == (0.25 if "--gptaq" in flags else 0.0)
+        assert config["meta"]["gptaq_alpha"] == (0.0 if "--no-gptaq" in flags else 0.25)  # GPTAQ by default
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
 
     fp = _eval(capsys, model_dir, "--dataset", str(model_dir / "calib.txt"))

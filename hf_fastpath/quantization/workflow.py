@@ -103,7 +103,7 @@ def quantize_command(args) -> int:
     model.save_pretrained(out)
     copied = copy_tokenizer_files(args.model_dir, out)
     print(f"quantized {args.model_dir} with {args.method.upper()} {args.bits}-bit g{args.group_size}"
-          f"{' act-order' if args.desc_act else ''}{' GPTAQ' if args.gptaq else ''} in {elapsed:.1f} s -> {out} "
+          f"{' act-order' if args.desc_act else ''}{' GPTAQ' if config.gptaq else ''} in {elapsed:.1f} s -> {out} "
           f"(tokenizer files: {', '.join(copied) or 'none found'})")
     return 0
 
