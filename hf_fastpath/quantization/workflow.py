@@ -91,8 +91,8 @@ def quantize_command(args) -> int:
     device = pick_device(args.device)
     config = W4A16Config(
         method=args.method, bits=args.bits, group_size=args.group_size, sym=not args.asym if args.asym else None,
-        desc_act=args.desc_act, gptaq=args.gptaq, dataset=args.dataset, num_samples=args.num_samples, seq_len=args.seq_len,
-        device=str(device),
+        desc_act=args.desc_act, gptaq=args.gptaq, dataset=args.dataset, num_samples=args.num_samples,
+        seq_len=args.seq_len, device=str(device),
     )
     start = time.perf_counter()
     # The float model stays on the CPU; calibration moves one block at a time to `device`.
