@@ -266,6 +266,40 @@ def test_gptaq_tracks_the_float_model_closer_than_gptq(calibration_ids):
     assert errors["gptaq"] < 0.95 * errors["gptq"], errors
 
 
+def test_gptaq_falls_back_to_classic_gptq_where_the_float_inputs_do_not_pair(caplog):
+    """Routed inputs (a mixture of experts) can differ in size between the float and the quantized model: those
+    linears get classic GPTQ, with a warning, instead of failing."""
+    import copy
+
+    from torch import nn
+
+    from hf_fastpath.quantization.calibrate import _gptq_block
+    from hf_fastpath.quantization.config import W4A16Config
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    block = Toy()
+    hidden = [torch.randn(2, 16, 32) for _ in range(2)]
+    inputs = BlockInputs(hidden=hidden, kwargs=[{}, {}])
+    s = W4A16Config(bits=4, group_size=32)
+    classic = copy.deepcopy(block)
+    expected = _gptq_block(classic, inputs, dict(classic.named_children()), s)
+    shorter = [h[:, :-1] for h in hidden]  # the float model routed one token fewer here
+    with caplog.at_level("WARNING", logger="hf_fastpath.quantization.calibrate"):
+        got = _gptq_block(block, inputs, dict(block.named_children()), s, (copy.deepcopy(block), shorter))
+    assert sorted(n for n in ("up", "down") if f"GPTAQ: {n} sees other inputs" in caplog.text) == ["down", "up"]
+    for name in ("up", "down"):
+        assert torch.equal(got[name].codes, expected[name].codes), name
+        torch.testing.assert_close(got[name].scales, expected[name].scales)
+
+
 def test_gptaq_settings_are_checked():
     from hf_fastpath import W4A16Config
 

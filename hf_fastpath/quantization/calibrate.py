@@ -184,13 +184,22 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
         accs = [GPTQ(linear_weight(linears[g.names[0]]).shape[1], device=device) for g in stage]
         pending: set[int] = set()
         float_inputs: dict[int, torch.Tensor] = {}
+        unpaired: set[int] = set()
 
         def make_hook(j, acc=None):  # acc None: the float copy's linear, whose input waits for the quantized one's
             def hook(module, args):
                 if acc is None:
                     float_inputs[j] = args[0]
                 else:
-                    acc.add_batch(args[0], float_inputs.pop(j, None))
+                    x, x_float = args[0], float_inputs.pop(j, None)
+                    if reference is not None and j not in unpaired and (x_float is None or x_float.shape != x.shape):
+                        # e.g. routed (mixture-of-experts) inputs that differ between the two models: no row pairs
+                        logger.warning("GPTAQ: %s sees other inputs in the float model (%s, here %s): it gets "
+                                       "classic GPTQ", stage[j].names[0], None if x_float is None
+                                       else tuple(x_float.shape), tuple(x.shape))
+                        unpaired.add(j)
+                        acc.D = None
+                    acc.add_batch(x, None if j in unpaired else x_float)
                 pending.discard(j)
                 if not pending:  # the rest of the block is not needed for this stage
                     raise StopForward
