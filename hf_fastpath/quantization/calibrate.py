@@ -115,9 +115,7 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
             for name, m in linears.items():
                 resolve_group_size(s.group_size, linear_weight(m).shape[1])  # fail early with a clear message
             if s.method == "gptq":
-                reference = None
-                if s.gptaq:
-                    reference = (copy.deepcopy(layer), float_hidden)
+                reference = (copy.deepcopy(layer), float_hidden) if s.gptaq else None
                 block_results = _gptq_block(layer, inputs, linears, s, reference)
                 outputs = run_block(layer, inputs)
                 if reference is not None:

@@ -55,11 +55,12 @@ class GPTQ:
         keep = self.nsamples / (self.nsamples + m)
         self.nsamples += m
         root = math.sqrt(2 / self.nsamples)
-        self.H.mul_(keep).addmm_(x.t() * root, x * root)
+        scaled = x * root
+        self.H.mul_(keep).addmm_(scaled.t(), scaled)
         if x_float is not None:
             if self.D is None:
                 self.D = torch.zeros_like(self.H)
-            self.D.mul_(keep).addmm_((x_float - x).t() * root, x * root)
+            self.D.mul_(keep).addmm_((x_float - x).t(), scaled, alpha=root)
 
     @torch.no_grad()
     def quantize(self, weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
