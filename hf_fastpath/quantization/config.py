@@ -34,9 +34,10 @@ class W4A16Config(QuantizationConfigMixin):
         true_sequential, static_groups, damp_percent: GPTQ options.
         gptaq: GPTQ fits each linear to the float model's output computed from the float model's own inputs (GPTAQ,
             "asymmetric calibration"), so it corrects the error of the layers quantized before it instead of
-            inheriting it. On by default for GPTQ (on SmolLM2, 4-bit: perplexity x1.34 -> x1.22 of float, 3-bit
-            x3.75 -> x2.17; docs/calibration.md); it carries a float copy of each block and its hidden states through
-            calibration, which about doubles GPTQ's calibration time. gptaq=False is classic GPTQ.
+            inheriting it. On by default for GPTQ (on SmolLM2, 4-bit act-order: perplexity x1.34 -> x1.19 of float,
+            3-bit x3.59 -> x1.99; benchmarks/results/quant_quality_cpu.json); it carries a float copy of each block
+            and its hidden states through calibration, which about doubles GPTQ's calibration time.
+            gptaq=False is classic GPTQ.
         gptaq_alpha: how far (0-1] GPTAQ moves the target toward its least-squares optimum.
         tokenizer: tokenizer (or its path) for the calibration text; default: the model's own path.
         batch_size: calibration sequences per forward (default: ~8192 tokens a batch).
