@@ -156,9 +156,7 @@ class GPTQ:
 
     def _target_shift(self, W: torch.Tensor, H: torch.Tensor, damp_percent: float) -> torch.Tensor:
         """W D H⁻¹ (H dampened as GPTQ dampens it): how far GPTAQ's unconstrained optimum lies from W."""
-        Hd = H.clone()
-        Hd.diagonal().add_(damp_percent * torch.mean(torch.diag(H)))
-        L, info = torch.linalg.cholesky_ex(Hd)
+        L, info = torch.linalg.cholesky_ex(self._dampened(H, damp_percent))
         if info != 0:
             logger.warning("GPTAQ: the dampened Hessian is not positive definite; quantizing toward W itself")
             return torch.zeros_like(W)
@@ -166,15 +164,18 @@ class GPTQ:
         return torch.cholesky_solve((W @ self.D).t(), L).t()
 
     @staticmethod
+    def _dampened(H: torch.Tensor, damp: float) -> torch.Tensor:
+        """H + damp · mean(diag H) · I: GPTQ's regularization of the Hessian."""
+        Hd = H.clone()
+        Hd.diagonal().add_(damp * torch.mean(torch.diag(H)))
+        return Hd
+
+    @staticmethod
     def _inverse_cholesky(H: torch.Tensor, damp_percent: float) -> torch.Tensor:
         """Upper Cholesky factor of H⁻¹ after dampening the diagonal; more dampening if H is not positive definite."""
-        mean_diag = torch.mean(torch.diag(H))
-        idx = torch.arange(H.shape[0], device=H.device)
         damp = damp_percent
         for _ in range(6):
-            Hd = H.clone()
-            Hd[idx, idx] += damp * mean_diag
-            L, info = torch.linalg.cholesky_ex(Hd)
+            L, info = torch.linalg.cholesky_ex(GPTQ._dampened(H, damp))
             if info == 0:
                 Hinv = torch.cholesky_inverse(L)
                 U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
