@@ -137,6 +137,88 @@ def test_awq_scale_folding_keeps_the_float_function(family):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5)
 
 
+def test_awq_does_not_fold_into_a_producer_that_feeds_other_modules():
+    """A norm whose output reaches a router beside the quantized linears (a mixture-of-experts layer) cannot take
+    AWQ's division: the router would see scaled inputs. The group gets the clip search only, the function is kept."""
+    from torch import nn
+
+    class TopKRouter(nn.Module):  # a router that is not a linear layer, as in Transformers 5's MoE models
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 32))
+
+        def forward(self, x):
+            return torch.softmax(x @ self.weight.t(), -1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(32)
+            self.up, self.act, self.down = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+            self.router = TopKRouter()
+
+        def forward(self, x):
+            h = self.norm(x)
+            return x + self.down(self.act(self.up(h))) * self.router(h)[..., :1]
+
+    torch.manual_seed(0)
+    block = Block()
+    with torch.no_grad():
+        block.norm.weight.uniform_(0.5, 2.0)
+    hidden = [correlated_inputs(64, 32, seed).reshape(2, 32, 32) for seed in range(2)]
+    inputs = BlockInputs(hidden=hidden, kwargs=[{}, {}])
+    reference = run_block(block, inputs)
+    report = awq_block(block, inputs, {"up": block.up, "down": block.down}, AWQSettings(group_size=32, clip=False))
+    assert "up: norm also feeds router, clip only" in report, report
+    assert any(r.startswith("down <- act") for r in report), report  # a producer feeding only its group folds
+    for got, want in zip(run_block(block, inputs), reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_routers_and_unpackable_linears_stay_float(tmp_path, calibration_ids, caplog):
+    """Qwen2-MoE: the one-output shared-expert gate cannot pack and stays float, the fused experts (3-D weights, not
+    linears) are reported; the model saves and reloads through our loader. A router that is a linear stays float."""
+    from torch import nn
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    import hf_fastpath
+    from hf_fastpath.quantization.blocks import reason_to_keep_in_float
+    from hf_fastpath.quantization.linear import W4A16Linear
+
+    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=32, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path / "fp")
+    w4 = hf_fastpath.W4A16Config(method="awq", group_size=32, dataset=calibration_ids.tolist(), num_samples=8,
+                                 seq_len=32)
+    with caplog.at_level("INFO", logger="hf_fastpath.quantization.calibrate"):
+        quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=w4, dtype=torch.float32)
+    assert "model.layers.*.mlp.shared_expert_gate stays in 16 bits: 64 inputs x 1 outputs do not pack" in caplog.text
+    assert "mostly in Qwen2MoeExperts modules" in caplog.text
+    gate = quantized.model.layers[0].mlp.shared_expert_gate
+    assert type(gate) is nn.Linear and isinstance(quantized.model.layers[0].mlp.shared_expert.up_proj, W4A16Linear)
+    assert quantized.config.quantization_config.modules_to_not_convert == ["mlp.shared_expert_gate"]
+    ids, _ = random_batch(2, 12)
+    with torch.no_grad():
+        logits = quantized(ids).logits
+    quantized.save_pretrained(tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    assert type(reloaded.model.layers[1].mlp.shared_expert_gate) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+    class Llama4Router(nn.Linear):
+        pass
+
+    moe = Qwen2MoeConfig(num_experts=16)
+    assert reason_to_keep_in_float("feed_forward.router", Llama4Router(64, 16), 4, moe) == "a mixture-of-experts router"
+    assert reason_to_keep_in_float("mlp.gate", nn.Linear(64, 16), 4, moe) == "a mixture-of-experts router"
+    assert reason_to_keep_in_float("mlp.gate", nn.Linear(64, 16), 4, None) is None  # a dense model's gate
+    assert reason_to_keep_in_float("mlp.gate_proj", nn.Linear(64, 16), 4, moe) is None
+
+
 def drifted_inputs(x_float: torch.Tensor, seed: int = 3) -> torch.Tensor:
     """What a layer sees after earlier layers were quantized: its float inputs through a small linear distortion,
     plus noise."""

@@ -254,7 +254,7 @@ def attach_quantization_config(model: nn.Module, config: W4A16Config) -> None:
     """After quantizing `model` in place: make `save_pretrained` write a standard GPTQ/AWQ checkpoint
     (the layers' storage format and a plain `gptq`/`awq` quantization_config in config.json)."""
     fmt = set_checkpoint_format(model, config.saved_format)
-    standard = config.standard_config(fmt if fmt != "awq" else None)
+    standard = config.standard_config(fmt if fmt != "awq" else None, getattr(model, "_hf_fastpath_kept_in_float", ()))
     model.config.quantization_config = standard
     model.quantization_method = standard.quant_method
     model.is_quantized = True

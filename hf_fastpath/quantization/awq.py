@@ -9,6 +9,8 @@ shrink factor) to minimise the linear's output error, and the weights are rounde
 
 Scales fold into: a norm's weight (+ bias); the previous linear's output rows (v -> o, up -> down); or, after a
 non-linear activation (GELU...), a `ScaledActivation` that divides the activation's output (saved as `act.scales`).
+A producer whose output also reaches modules outside the group (a mixture-of-experts router beside a shared expert's
+linears) takes no scales: that group gets the clip search only.
 """
 
 from __future__ import annotations
@@ -253,6 +255,11 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
                 producer, kind = partner, "linear"
         if producer is None:
             report.append(f"{'+'.join(group.names)}: no foldable producer, clip only")
+            continue
+        if group.other_consumers and producer == group.producer:
+            # dividing the producer's output by the scales would change what those modules compute
+            report.append(f"{'+'.join(group.names)}: {producer} also feeds {', '.join(group.other_consumers)}, "
+                          "clip only")
             continue
         inspect_name = _inspect_module_name(group)
         inspect, records, outputs, x_mean, _ = _capture_group(block, search_inputs, linears, group, inspect_name)

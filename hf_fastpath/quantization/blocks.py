@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .formats import pack_unit
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,6 +55,26 @@ def find_linears(block: nn.Module, skip=()) -> dict[str, nn.Module]:
         if name and is_linear(module) and not any(_matches(name, s) for s in skip):
             out[name] = module
     return out
+
+
+# config attributes that count a mixture-of-experts layer's routed experts (the router's output size)
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def reason_to_keep_in_float(name: str, module: nn.Module, bits: int, model_config=None) -> str | None:
+    """Why a linear found in a decoder block stays in 16 bits, or None when it is quantized.
+
+    A mixture-of-experts router stays float (gptqmodel and AutoAWQ skip them too): it is a tiny share of the
+    weights, and rounding it moves tokens to other experts. So does a linear whose shape the packed format cannot
+    hold (e.g. Qwen2-MoE's one-output `shared_expert_gate`)."""
+    in_features, out_features = linear_features(module)
+    unit = pack_unit(bits)
+    if in_features % unit or out_features % unit:
+        return f"{in_features} inputs x {out_features} outputs do not pack at {bits} bits (multiples of {unit})"
+    experts = {getattr(model_config, a, None) for a in _EXPERT_COUNTS} - {None}
+    if "Router" in type(module).__name__ or (name.rpartition(".")[2] in ("gate", "router") and out_features in experts):
+        return "a mixture-of-experts router"
+    return None
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -177,6 +199,9 @@ class InputGroup:
     names: list[str]
     producer: str | None = None  # name (in the block) of the module whose output is that input, if any
     producer_kind: str | None = None  # "norm", "linear", "activation" or None
+    # modules outside the group that read the same input (not counting the group's ancestors, which pass it on):
+    # e.g. a mixture-of-experts router beside a shared expert's gate/up. AWQ cannot fold scales into its producer.
+    other_consumers: list[str] = field(default_factory=list)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -209,11 +234,19 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
             seen_inputs.append(output)
             produced.setdefault(id(output), []).append(name_of[id(module)])
 
+    def receive_hook(module, args, kwargs):
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.Tensor):
+                seen_inputs.append(x)
+                received.setdefault(id(x), []).append(name_of[id(module)])
+
+    received: dict[int, list[str]] = {}
     for name, m in block.named_modules():
         if not name:
             continue
         if name in linears:
             handles.append(m.register_forward_pre_hook(pre_hook))
+        handles.append(m.register_forward_pre_hook(receive_hook, with_kwargs=True))
         handles.append(m.register_forward_hook(out_hook))
     try:
         block(hidden, **kwargs)
@@ -231,6 +264,8 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
     if missing:
         logger.warning("linears never called during calibration (left unquantized): %s", sorted(missing))
     for key, group in groups.items():
+        group.other_consumers = [n for n in dict.fromkeys(received.get(key, [])) if n not in group.names
+                                 and not any(g.startswith(n + ".") for g in group.names)]
         for cand in produced.get(key, []):
             module = block.get_submodule(cand)
             kind = ("linear" if cand in linears else "norm" if _is_norm(module)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .blocks import (BlockInputs, StopForward, capture_block_inputs, find_decoder_layers, find_linears,
-                     input_groups, linear_weight, run_block, set_linear_weight, set_submodule)
+                     input_groups, is_linear, linear_weight, reason_to_keep_in_float, run_block, set_linear_weight,
+                     set_submodule)
 from .config import W4A16Config
 from .formats import resolve_group_size
 from .gptq import GPTQ
@@ -94,9 +95,22 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
     results: dict[str, QuantizedWeight] = {}
     biases: dict[str, torch.Tensor | None] = {}
 
+    kept: dict[str, str] = {}  # linears kept in 16 bits, as "<layers>.*.<name>" -> why
+
+    def block_linears(layer):
+        linears = {}
+        for name, m in find_linears(layer, plan.skip).items():
+            reason = reason_to_keep_in_float(name, m, s.bits, getattr(model, "config", None))
+            if reason is None:
+                resolve_group_size(s.group_size, linear_weight(m).shape[1])  # fail early with a clear message
+                linears[name] = m
+            else:
+                kept[f"{layers_name}.*.{name}"] = reason
+        return linears
+
     if s.method == "rtn":
         for i, layer in enumerate(_tqdm(layers, desc="RTN", unit="block")):
-            for name, m in find_linears(layer, plan.skip).items():
+            for name, m in block_linears(layer).items():
                 full = f"{layers_name}.{i}.{name}"
                 results[full] = rtn_quantize(linear_weight(m).to(dev), s.bits, s.group_size, s.sym)
                 biases[full] = m.bias
@@ -111,9 +125,7 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
         for i, layer in enumerate(_tqdm(layers, desc=s.method.upper(), unit="block")):
             home = next(layer.parameters()).device
             layer.to(dev)
-            linears = find_linears(layer, plan.skip)
-            for name, m in linears.items():
-                resolve_group_size(s.group_size, linear_weight(m).shape[1])  # fail early with a clear message
+            linears = block_linears(layer)
             if s.method == "gptq":
                 reference = (copy.deepcopy(layer), float_hidden) if s.gptaq else None
                 block_results = _gptq_block(layer, inputs, linears, s, reference)
@@ -140,11 +152,33 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
         model.train(was_training)
         del inputs
 
+    _report_unquantized(model, layers_name, layers, results, kept)
     _replace_linears(model, results, biases, s)
     elapsed = time.perf_counter() - start
     model._hf_fastpath_calibration_seconds = elapsed
     logger.info("%s: %d linears quantized in %.1f s", s.method.upper(), len(results), elapsed)
     return model
+
+
+def _report_unquantized(model, layers_name: str, layers: nn.ModuleList, results, kept: dict[str, str]) -> None:
+    """Say which block weights stay in 16 bits: linears kept float (and why), and weights outside any linear (fused
+    mixture-of-experts experts are 3-D parameters, not linears: W4A16 leaves them as they are)."""
+    for pattern, reason in kept.items():
+        logger.info("%s stays in 16 bits: %s", pattern, reason)
+    model._hf_fastpath_kept_in_float = sorted(p.partition(".*.")[2] for p in kept)
+    outside_linears: dict[str, int] = {}  # module class -> weights it holds outside any linear layer
+    for module in layers.modules():
+        if not is_linear(module):
+            n = sum(p.numel() for p in module.parameters(recurse=False))
+            if n:
+                outside_linears[type(module).__name__] = outside_linears.get(type(module).__name__, 0) + n
+    total = sum(p.numel() for p in layers.parameters())
+    if total and sum(outside_linears.values()) > 0.5 * total:
+        biggest = max(outside_linears, key=outside_linears.get)
+        quantized = sum(q.codes.numel() for q in results.values())
+        logger.warning("W4A16 quantizes linear layers only: %.0f%% of the weights in %s are quantized, the rest "
+                       "(mostly in %s modules, e.g. fused mixture-of-experts weights) stays in 16 bits",
+                       100 * quantized / total, layers_name, biggest)
 
 
 def _calibration_ids(model, s: W4A16Config, plan: _Calibration, tokenizer) -> torch.Tensor:

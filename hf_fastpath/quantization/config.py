@@ -122,14 +122,17 @@ class W4A16Config(QuantizationConfigMixin):
             out["tokenizer"] = None  # a tokenizer object is not JSON
         return out
 
-    def standard_config(self, checkpoint_format: str | None = None) -> QuantizationConfigMixin:
-        """The plain Transformers `GPTQConfig` / `AwqConfig` a model quantized with this config is saved with."""
+    def standard_config(self, checkpoint_format: str | None = None, kept_in_float=()) -> QuantizationConfigMixin:
+        """The plain Transformers `GPTQConfig` / `AwqConfig` a model quantized with this config is saved with.
+        `kept_in_float`: names of linears calibration left in 16 bits (routers...), listed for AWQ loaders (GPTQ's
+        config has no such field: loaders find the quantized layers by their `qweight` tensors)."""
         from .. import __version__
 
         if self.saved_format == "awq":
             # zero_point=True: qzeros are always stored (a symmetric grid just has zero 8 everywhere)
+            not_converted = list(dict.fromkeys([*(self.modules_to_not_convert or ()), *kept_in_float])) or None
             return AwqConfig(bits=4, group_size=self.group_size, zero_point=True, version="gemm",
-                             modules_to_not_convert=self.modules_to_not_convert)
+                             modules_to_not_convert=not_converted)
         return GPTQConfig(bits=self.bits, group_size=self.group_size, damp_percent=self.damp_percent,
                           desc_act=self.desc_act, act_group_aware=False, sym=self.sym,
                           true_sequential=self.true_sequential,
