@@ -8,7 +8,8 @@ Every config: 2 layers, hidden 64, 4 query heads (head dim 16), vocab 128, 64 po
 `gemma2` (GQA, soft-capped scores and logits, alternating sliding-window 8 and full layers), `falcon` (rotary +
 multi-query), `falcon_gqa` (new_decoder_architecture, 2 KV heads),
 `falcon_alibi` (ALiBi, parallel attention), `gpt2` (Conv1D, scale_attn_by_inverse_layer_idx), `gpt_neox` (partial
-rotary), `gptj` (partial rotary), `gpt_bigcode` (multi-query). `overrides` are config keyword arguments, e.g.
+rotary), `gptj` (partial rotary), `gpt_bigcode` (multi-query), `gpt_oss` (attention sinks, sliding window 8 on every
+other layer, 4 experts). `overrides` are config keyword arguments, e.g.
 `tiny_config("llama", hidden_size=256, intermediate_size=512)` for group-size-128 quantization tests
 (`hidden_size` works for every family: GPT-2, GPT-J and GPT-BigCode map it to `n_embd`).
 Import as `from models import ...` (pytest puts tests/ on sys.path) or `from tests.models import ...` from the repo root.
@@ -21,9 +22,10 @@ import copy
 import torch
 import transformers
 
-# Base families (one per modeling file), then the extra Falcon variants.
+# Base families (one per modeling file, a full row in the model table), the extra Falcon variants, then families
+# whose row is partial (gpt_oss: no chunked loss, its router loss would be lost).
 BASE_FAMILIES = ("llama", "falcon", "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "mistral", "qwen2", "qwen3", "gemma2")
-FAMILIES = BASE_FAMILIES + ("falcon_gqa", "falcon_alibi")
+FAMILIES = BASE_FAMILIES + ("falcon_gqa", "falcon_alibi", "gpt_oss")
 
 VOCAB = 128
 HIDDEN = 64
@@ -93,6 +95,12 @@ _CONFIGS = {
              head_dim=HIDDEN // HEADS, num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS, sliding_window=8,
              attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=HIDDEN // HEADS),
     ),
+    "gpt_oss": (  # attention sinks, alternating sliding-window (8) and full layers, a mixture of 4 experts
+        "GptOssConfig",
+        dict(hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=HEADS, num_key_value_heads=2,
+             head_dim=HIDDEN // HEADS, num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS, sliding_window=8,
+             num_local_experts=4, num_experts_per_tok=2, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+    ),
 }
 
 # Token ids 1..VOCAB-1 are "real" text; 0 is the pad/eos id for every family.
@@ -120,6 +128,10 @@ def tiny_model(family: str, attn_implementation: str = "eager", *, seed: int = 0
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                           dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):  # initialised near 0: make them matter
+                p.normal_(0.0, 1.5)
     return model.eval()
 
 

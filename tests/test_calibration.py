@@ -132,8 +132,9 @@ def test_awq_scale_folding_keeps_the_float_function(family):
         inputs = BlockInputs(run_block(layer, inputs), inputs.kwargs)
     with torch.no_grad():
         out = model(ids).logits
-    # Every family folds into its norms (and MLP activations): scales really moved somewhere.
-    assert len(folded) >= 2 * len(layers), folded
+    # Every family folds into its norms (and MLP activations): scales really moved somewhere. (gpt-oss: into the
+    # attention's norm only; its MLP is fused experts, not linears.)
+    assert len(folded) >= (1 if family == "gpt_oss" else 2) * len(layers), folded
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5)
 
 
@@ -275,7 +276,7 @@ def calibration_ids():
     return torch.randint(1, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("family", BASE_FAMILIES)
+@pytest.mark.parametrize("family", BASE_FAMILIES + ("gpt_oss",))
 @pytest.mark.parametrize("method", ["gptq", "awq", "rtn"])
 def test_tiny_model_quantizes_and_reloads(family, method, calibration_ids, tmp_path):
     from transformers import AutoModelForCausalLM

@@ -75,6 +75,41 @@ def test_training_step_compiles(impl, batch):
         torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
+def test_attention_sinks_training_step_and_static_generate_compile_whole():
+    """gpt-oss: sinks (with their gradient) and sliding-window layers in one graph; static-cache decoding compiles
+    as often as with eager attention: twice, the second when the sliding layers' cache fills (Transformers' guard
+    on its length)."""
+    torch.manual_seed(0)
+    model = tiny_model("gpt_oss", "fastpath")
+    ids, mask = random_batch(2, 12, seed=3)
+    backend = CountingBackend("aot_eager")
+    loss = torch.compile(model, fullgraph=True, backend=backend)(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    assert backend.graphs == 1 and any(n.endswith(".sinks") for n in grads)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+    ids, mask = random_batch(2, 7, left_pad=(0, 2), seed=4)  # the window (8) moves past the padding
+    graphs = {}
+    for impl in ("fastpath", "eager"):
+        torch._dynamo.reset()
+        model.set_attn_implementation(impl)
+        backend = CountingBackend()
+        config = transformers.CompileConfig(fullgraph=True, backend=backend, mode=None)
+        config._compile_all_devices = True
+        kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            got = model.eval().generate(ids, cache_implementation="static", compile_config=config, **kw)
+            want = model.generate(ids, cache_implementation="static", disable_compile=True, **kw)
+        assert torch.equal(got, want)
+        graphs[impl] = backend.graphs
+    assert graphs["fastpath"] == graphs["eager"] <= 2, graphs
+
+
 def test_packed_training_step_compiles_whole():
     # restarting position_ids, no attention mask and no cache: Transformers' mask marks the packed sequences; the
     # segment table reaches the kernel without a host sync

@@ -125,20 +125,23 @@ def concat_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("family,groups_per_layer,sizes", [("llama", 2, [3, 2]), ("gptj", 1, [3]),
-                                                           ("qwen2", 2, [3, 2]), ("gemma2", 2, [3, 2])])
+                                                           ("qwen2", 2, [3, 2]), ("gemma2", 2, [3, 2]),
+                                                           ("gpt_oss", 1, [3])])
 def test_fused_model_matches_unfused(family, groups_per_layer, sizes, concat_calls):
     """Logits (padded batch) and greedy generation equal the unfused model's; each group ran as one launch; no
     layer keeps a handed-over output after the forward. (Qwen2: q/k/v biases.)"""
-    overrides = dict(intermediate_size=256) if family != "gptj" else {}
-    if family == "gemma2":  # its head dim is set, not derived: as wide as the others' at hidden 128
-        overrides.update(head_dim=32, query_pre_attn_scalar=32)
+    overrides = dict(intermediate_size=256) if family not in ("gptj", "gpt_oss") else {}
+    if family in ("gemma2", "gpt_oss"):  # its head dim is set, not derived: as wide as the others' at hidden 128
+        overrides.update(head_dim=32)
+    if family == "gemma2":
+        overrides.update(query_pre_attn_scalar=32)
     model = _quantized(family, **overrides)
     plain = copy.deepcopy(model)
     assert hf_fastpath.fuse_projections(model) == 2 * groups_per_layer
     ids, mask = random_batch(batch=2, seq=7, left_pad=(0, 3))
     with w4a16_backend("kernel"), torch.no_grad():
         fused_logits = model(ids, attention_mask=mask).logits
-        assert concat_calls == sizes * 2  # per layer: q/k/v (3 parts) then gate/up (2)
+        assert concat_calls == sizes * 2  # per layer: q/k/v (3 parts) then gate/up (2; gpt-oss: fused experts)
         torch.testing.assert_close(fused_logits, plain(ids, attention_mask=mask).logits, rtol=1e-3, atol=1e-3)
         if family == "llama":  # (one family is enough for generation: the interpreter is slow)
             out = model.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)

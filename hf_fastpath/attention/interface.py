@@ -90,6 +90,7 @@ def attention(
     return_lse=False,
     backend="auto",
     dropout_p=0.0,
+    sinks=None,
 ):
     """FlashAttention in the `[B, S, H, D]` layout (or `[T, H, D]` with `cu_seqlens_q/k`).
 
@@ -103,6 +104,9 @@ def attention(
     faster for such a call on this GPU (`dispatch.py`); the reference on CPU unless TRITON_INTERPRET=1), or one of
     "triton", "sdpa", "fa2", "fa3", "fa4", "reference" (fails clearly when missing or unable to serve the call).
     `dropout_p > 0` needs FA2 (flash-attn); the other backends raise NotImplementedError.
+    `sinks` (`[Hq]`, differentiable): attention sinks as gpt-oss has them, one logit per query head that every row's
+    softmax counts as a key with no value (`sinks.py`); they run on our Triton kernel (the reference on the CPU), so
+    `backend` must be "auto", "triton" or "reference".
     Under `torch.use_deterministic_algorithms(True)` gradients are bitwise repeatable: FlashAttention gets
     `deterministic=True`; our Gluon backward orders its dQ adds (`deterministic=True`) where that still beats the
     atomic-free Triton backward (soft-capped calls), else hands over to the Triton one.
@@ -113,12 +117,41 @@ def attention(
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
                          key_mask=key_mask, segments=segments)
+    if sinks is not None:
+        out, lse = _attention_with_sinks(q, k, v, sinks, params, backend, dropout_p)
+        return (out, lse) if return_lse else out
     chosen = select_backend(backend, q, k, v, params, dropout_p, return_lse)
     if params.masks_keys() and not chosen.takes_masks:  # FlashAttention: varlen only
         out, lse = _unpadded(lambda q, k, v, p: chosen.run(q, k, v, p, dropout_p, return_lse), q, k, v, params)
     else:
         out, lse = chosen.run(q, k, v, params, dropout_p, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _attention_with_sinks(q, k, v, sinks, params: AttentionParams, backend: str, dropout_p: float):
+    from .backends import BackendUnavailable
+    from .sinks import SinkAttention
+
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[-2],) or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float tensor of one logit per query head, shape ({q.shape[-2]},); got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}.")
+    if dropout_p:
+        raise NotImplementedError("attention sinks with attention dropout are not supported: pass dropout_p=0.0.")
+    if backend not in ("auto", "triton", "reference"):
+        raise BackendUnavailable(f"attention backend {backend!r} has no attention sinks; use backend='auto', "
+                                 "'triton' or 'reference'.")
+    module = reference if backend == "reference" else _raw_backend(q, v) if backend == "auto" else None
+    if module is reference:
+        def forward(q, k, v, p):
+            return reference.attention_forward(q, k, v, **p.kernel_kwargs())
+
+        def backward(dout, q, k, v, out, lse, p):
+            return reference.attention_backward(dout, q, k, v, out, lse, **p.kernel_kwargs())
+
+        return SinkAttention.apply(forward, backward, sinks, q, k, v, params)
+    from .ops import flash_attn_with_sinks
+
+    return flash_attn_with_sinks(q, k, v, sinks.to(q.device), params)
 
 
 def _unpadded(run, q, k, v, params: AttentionParams):

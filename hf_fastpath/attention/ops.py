@@ -22,6 +22,7 @@ import torch
 from ..kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from ..kernels.common import gluon_build_failed
 from .params import AttentionParams, make_params
+from .sinks import SinkAttention
 from .triton_backend import check_inputs
 
 __all__ = ["flash_attn_forward", "flash_attn_backward", "flash_attn", "gluon_attn_forward", "gluon_attn_backward",
@@ -142,18 +143,34 @@ def _differentiable(forward, backward, op, args):
     return forward(*args)
 
 
-def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
-    """Differentiable `(out, lse)` (`_differentiable`: the ops when compiling), for `params` (or the keyword
-    arguments of `make_params`). Varlen calls should carry `max_seqlen_q/k` (else one host read)."""
-    p = params if params is not None else make_params(q, k, v, **kwargs)
+def _op_args(q, k, v, p: AttentionParams) -> tuple:
+    """The arguments of `flash_attn_forward` for `params`. Varlen calls should carry `max_seqlen_q/k` (else one
+    host read)."""
     max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
     if p.varlen and (max_q is None or max_k is None):
         max_q = max_q if max_q is not None else int(torch.diff(p.cu_seqlens_q).max())
         max_k = max_k if max_k is not None else int(torch.diff(p.cu_seqlens_k).max())
     left, right = p.window_size
-    args = (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, int(max_q or 0), int(max_k or 0), p.alibi_slopes, p.seqused_k,
+    return (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, int(max_q or 0), int(max_k or 0), p.alibi_slopes, p.seqused_k,
             p.key_mask, p.segments, p.causal, p.softmax_scale, int(left), int(right), p.softcap)
-    return _differentiable(_forward, _backward_impl, flash_attn_forward, args)
+
+
+def flash_attn(q, k, v, params: AttentionParams | None = None, **kwargs):
+    """Differentiable `(out, lse)` (`_differentiable`: the ops when compiling), for `params` (or the keyword
+    arguments of `make_params`)."""
+    p = params if params is not None else make_params(q, k, v, **kwargs)
+    return _differentiable(_forward, _backward_impl, flash_attn_forward, _op_args(q, k, v, p))
+
+
+def _backward_op(dout, *args):
+    return flash_attn_backward(dout, *args, False)
+
+
+def flash_attn_with_sinks(q, k, v, sinks, params: AttentionParams):
+    """Differentiable `(out, lse)` with attention sinks (`sinks.SinkAttention`) over the Triton kernels (the ops
+    when compiling)."""
+    halves = (flash_attn_forward, _backward_op) if torch.compiler.is_compiling() else (_forward, _backward_impl)
+    return SinkAttention.apply(*halves, sinks, *_op_args(q, k, v, params))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -52,6 +52,9 @@ MODELS: dict[str, ModelFacts] = {
                        awq_activation=("act", "fc_in"), attention_class_table=("gptj", "GPTJ_ATTENTION_CLASSES"),
                        ring_attention=True),
     "gpt_bigcode": ModelFacts("GPTBigCodeForCausalLM", awq_activation=("act", "c_fc"), ring_attention=True),
+    # gpt-oss: attention sinks, sliding-window layers; no chunked loss (its forward adds the router's loss after
+    # the LM loss, which the chunked loss would drop); the experts are fused 3-D weights, not linears
+    "gpt_oss": ModelFacts(shared_input_projections=(("self_attn", ("q_proj", "k_proj", "v_proj")),)),
     # AWQ checkpoints of these load onto our kernels; nothing else is wired for them
     "RefinedWebModel": ModelFacts(awq_activation=("act", "dense_h_to_4h")),
     "starcoder2": ModelFacts(awq_activation=("act", "c_fc")),

@@ -92,7 +92,9 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     - an int32 `[3, B, S]` packed-sequence table (`kernels.flash_attention.segment_table`), when Transformers'
       mask function keeps packed sequences apart (restarting `position_ids` in a padding-free batch).
     While compiling nothing reads tensor values on the host (a mask is returned even when all its keys are real);
-    eagerly, one check per forward drops masks that mask nothing."""
+    eagerly, one check per forward drops masks that mask nothing, unless Transformers says the mask may not be
+    skipped (`allow_is_causal_skip=False`: a static cache, whose compiled decode step generate() hands masks made
+    outside the graph; a None there, once a sliding window has moved past the padding, recompiled it)."""
     device = kwargs.get("device")
     if attention_mask is not None:
         device = attention_mask.device
@@ -111,7 +113,8 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
         return torch.where(filled[None], real[:, kv_offset:end].to(torch.int8), -1).to(torch.int8)
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:].bool()
-        if not compiling and attention_mask.shape[1] == kv_length and attention_mask.all():
+        if (not compiling and kwargs.get("allow_is_causal_skip", True) and attention_mask.shape[1] == kv_length
+                and attention_mask.all()):
             return None
         return attention_mask
     if mask_function is not None and mask_function is not _causal_mask_function() and q_length == kv_length > 1:
@@ -251,20 +254,19 @@ def _check_inputs(name: str, query: torch.Tensor, key: torch.Tensor, kwargs: dic
                          f"{query.shape[-1]}. Use attn_implementation='sdpa' for it.")
     if query.shape[1] % key.shape[1] != 0:
         raise ValueError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads.")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{name} attention has no attention sinks (`s_aux`); this model needs them. Use "
-                                  "attn_implementation='eager' or 'flash_attention_3' (vllm kernels) for it.")
     if kwargs.get("output_attentions"):
         _warn_once("output_attentions", f"{name} attention does not return attention weights "
                                         "(output_attentions=True); use attn_implementation='eager' to get them.")
 
 
-def _kernel_takes(kernel_fn, arg: str) -> bool:
+def _kernel_takes(kernel_fn, arg: str, by_name: bool = False) -> bool:
+    """Whether kernel_fn accepts `arg`; `by_name`: only as a named parameter, not through **kwargs (sinks: a kernel
+    that passed them on or dropped them would give a wrong answer instead of an error)."""
     try:
         params = inspect.signature(kernel_fn).parameters
     except (TypeError, ValueError):
         return False
-    return arg in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return arg in params or (not by_name and any(p.kind is p.VAR_KEYWORD for p in params.values()))
 
 
 def _sdpa_fallback(q, k, v, *, causal, scale, dropout_p, window, alibi_slopes, softcap, pad_mask, seg_ids):
@@ -310,10 +312,10 @@ def _sdpa_fallback(q, k, v, *, causal, scale, dropout_p, window, alibi_slopes, s
 # The adapter
 
 
-def _run(kernel_fn, q, k, v, kw, masks, dropout, takes_masks):
+def _run(kernel_fn, q, k, v, kw, masks, extra, takes_masks):
     """kernel_fn on `[B, S, H, D]` views; packed rows given by cu_seqlens go in as `[T, H, D]`. A plug-in kernel
-    without `key_mask` / `seqused_k` / `segments` arguments gets varlen inputs instead (one host sync)."""
-    extra = dict(dropout_p=dropout) if dropout else {}
+    without `key_mask` / `seqused_k` / `segments` arguments gets varlen inputs instead (one host sync). `extra`:
+    `dropout_p` and `sinks`, when the call has them."""
     if "cu_seqlens_q" in masks:
         b, sq = q.shape[0], q.shape[1]
         out = kernel_fn(q[0], k[0], v[0], **kw, **masks, **extra)
@@ -346,9 +348,13 @@ def _fallback(name, q, k, v, kw, masks, dropout):
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, kernel_fn, name,
-                       kernel_dropout, kernel_masks, auto_dispatch=False, **kwargs):
+                       kernel_dropout, kernel_masks, kernel_sinks=False, auto_dispatch=False, **kwargs):
     """Transformers attention function: query `[B,Hq,Sq,D]`, key/value `[B,Hkv,Skv,D]` -> (`[B,Sq,Hq,D]`, None)."""
     _check_inputs(name, query, key, kwargs)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and not kernel_sinks:
+        raise NotImplementedError(f"{name} attention has no attention sinks (`s_aux`); this model needs them. Use "
+                                  "attn_implementation='fastpath' (or 'eager') for it.")
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -364,20 +370,25 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     dropout = float(dropout or 0.0) if module.training else 0.0
     masks = _plan(name, attention_mask, q, k, kwargs, torch.is_grad_enabled() and query.requires_grad)
     if auto_dispatch and not masks and not dropout and window == (-1, -1) and not kw["softcap"] and \
-            kw["alibi_slopes"] is None:
+            kw["alibi_slopes"] is None and sinks is None:
         # a plain call: where `fastpath` picks SDPA, call it on Transformers' own [B, H, S, D] tensors (the general
         # path's layout changes and checks cost ~15 µs of host time a call, which eager decoding pays per layer)
         backend = select_backend("auto", q, k, v, AttentionParams(**kw))
         if backend.name == "sdpa":
             return backend.attend(query, key, value, kw["causal"], scale).transpose(1, 2), None
+    if sinks is not None:
+        if dropout:
+            raise NotImplementedError(f"{name}: attention dropout with attention sinks is not supported; set the "
+                                      "model's attention dropout to 0.")
+        return _run(kernel_fn, q, k, v, kw, masks, dict(sinks=sinks), kernel_masks), None
     if dropout:
         if kernel_dropout:
             try:
-                return _run(kernel_fn, q, k, v, kw, masks, dropout, kernel_masks), None
+                return _run(kernel_fn, q, k, v, kw, masks, dict(dropout_p=dropout), kernel_masks), None
             except NotImplementedError:
                 pass
         return _fallback(name, q, k, v, kw, masks, dropout), None
-    return _run(kernel_fn, q, k, v, kw, masks, 0.0, kernel_masks), None
+    return _run(kernel_fn, q, k, v, kw, masks, {}, kernel_masks), None
 
 
 def make_attention_function(kernel_fn, name: str = "fastpath", auto_dispatch: bool = False):
@@ -387,7 +398,8 @@ def make_attention_function(kernel_fn, name: str = "fastpath", auto_dispatch: bo
     directly)."""
     fn = functools.partial(_attention_forward, kernel_fn=kernel_fn, name=name,
                            kernel_dropout=_kernel_takes(kernel_fn, "dropout_p"),
-                           kernel_masks=_kernel_takes(kernel_fn, "key_mask"), auto_dispatch=auto_dispatch)
+                           kernel_masks=_kernel_takes(kernel_fn, "key_mask"),
+                           kernel_sinks=_kernel_takes(kernel_fn, "sinks", by_name=True), auto_dispatch=auto_dispatch)
     functools.update_wrapper(fn, _attention_forward)
     fn.__name__ = f"{name}_attention_forward"
     return fn
