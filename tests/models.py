@@ -22,10 +22,10 @@ import copy
 import torch
 import transformers
 
-# Base families (one per modeling file, a full row in the model table), the extra Falcon variants, then families
-# whose row is partial (gpt_oss: no chunked loss, its router loss would be lost).
-BASE_FAMILIES = ("llama", "falcon", "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "mistral", "qwen2", "qwen3", "gemma2")
-FAMILIES = BASE_FAMILIES + ("falcon_gqa", "falcon_alibi", "gpt_oss")
+# Base families (one per modeling file), then the extra Falcon variants.
+BASE_FAMILIES = ("llama", "falcon", "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "mistral", "qwen2", "qwen3", "gemma2",
+                 "gpt_oss")
+FAMILIES = BASE_FAMILIES + ("falcon_gqa", "falcon_alibi")
 
 VOCAB = 128
 HIDDEN = 64

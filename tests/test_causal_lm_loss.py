@@ -68,6 +68,24 @@ def test_same_loss_and_grads_as_transformers(family):
     assert len(got_tuple) == len(want_tuple) - 1, "the tuple is the reference's without the logits"
 
 
+def test_router_loss_of_a_mixture_of_experts_is_kept():
+    """gpt-oss with output_router_logits: the model adds router_aux_loss_coef * aux_loss to its loss; so do we,
+    returned as a dict and as a tuple."""
+    model = tiny_model("gpt_oss", output_router_logits=True, router_aux_loss_coef=0.5).train()
+    batch = labelled_batch()
+    want = loss_and_grads(model, **batch)
+    want_tuple = model(**batch, return_dict=False)
+    assert want[0].aux_loss is not None and want[0].aux_loss.item() > 0
+    use_chunked_loss(model, chunk_rows=5)
+    got = loss_and_grads(model, **batch)
+    assert_same(got, want)
+    torch.testing.assert_close(got[0].aux_loss, want[0].aux_loss)
+    got_tuple = model(**batch, return_dict=False)
+    assert len(got_tuple) == len(want_tuple) - 1
+    for a, b in zip(got_tuple[:2], want_tuple[:2]):  # loss, aux_loss
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_packed_sequences_with_shift_labels(family):
     """DataCollatorWithFlattening-style batch: one row, position_ids restarting per document, shift_labels given."""

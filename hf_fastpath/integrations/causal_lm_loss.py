@@ -20,8 +20,10 @@ still passes `num_items_in_batch` and keeps the dataset columns; a deep copy of 
 With labels in training mode, the wrapper calls the original forward with `labels=None` while the head module's
 forward returns its input, so the "logits" it computes are the (sliced) last hidden states; the loss is computed
 from them. Every supported model's forward does `logits = head(hidden_states)`, at most soft-caps them (Gemma-2:
-the row's `final_logit_softcap`; we switch it off for the call and apply it in the loss), and then the loss — that
-is what a `causal_lm` in `models.MODELS` asserts (check a new model's forward before adding it).
+the row's `final_logit_softcap`; we switch it off for the call and apply it in the loss), and then the loss, plus,
+for a mixture of experts with `output_router_logits`, `router_aux_loss_coef` times the router loss it returns as
+`aux_loss` (added here the same way) — that is what a `causal_lm` in `models.MODELS` asserts (check a new model's
+forward before adding it).
 
 Limits (each raises or is documented): the head must be a plain `nn.Linear` (not wrapped by PEFT: no LoRA or
 `modules_to_save` on `lm_head`) and unsharded (FSDP's sharded parameters of the head are not gathered outside its
@@ -129,9 +131,17 @@ def _no_final_softcap(model: nn.Module):
         setattr(model.config, attr, cap)
 
 
+def _split_output(output):
+    """(the "logits" the head let through, a mixture of experts' router loss or None) of the original forward's
+    output. A tuple (return_dict=False) drops the None loss: `(logits, ...)`, or `(aux_loss, logits, ...)`."""
+    if isinstance(output, tuple):
+        return (output[1], output[0]) if output[0].dim() == 0 else (output[0], None)
+    return output.logits, getattr(output, "aux_loss", None)
+
+
 def _without_logits(output, loss):
-    if isinstance(output, tuple):  # return_dict=False: (logits, ...) since labels=None; Transformers drops None
-        return (loss, *output[1:])
+    if isinstance(output, tuple):  # the reference's tuple, (loss, [aux_loss,] logits, ...), without the logits
+        return (loss, output[0], *output[2:]) if output[0].dim() == 0 else (loss, *output[1:])
     fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
     return type(output)(loss=loss, **fields)
 
@@ -162,12 +172,14 @@ def _wrap_forward(original_func):
         head = _head(self)
         with _head_returns_its_input(head), _no_final_softcap(self) as softcap:
             output = original_func(*bound.args, **bound.kwargs)
-        hidden = output[0] if isinstance(output, tuple) else output.logits
+        hidden, router_loss = _split_output(output)
         if shift_labels is None:  # as ForCausalLMLoss: tokens < n predict n; the last position has no target
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         loss = chunked_linear_cross_entropy(
             hidden, head.weight, shift_labels.to(hidden.device), head.bias, ignore_index=ignore_index,
             num_items_in_batch=num_items_in_batch, softcap=softcap, chunk_rows=getattr(self, _CHUNK_ROWS, None))
+        if router_loss is not None:  # output_router_logits: added as the model adds it when it has labels
+            loss = loss + self.router_aux_loss_coef * router_loss.to(loss.device)
         return _without_logits(output, loss)
 
     forward.__dict__[_MARK] = original_func

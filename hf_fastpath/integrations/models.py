@@ -5,7 +5,8 @@ family's tiny config in `tests/models.py`, which puts it through the model test 
 
 - `causal_lm_loss` (`use_chunked_loss`): `causal_lm`, the causal-LM class whose forward was checked to compute
   `logits = <output embeddings>(hidden_states)`, then (only) `final_logit_softcap`'s soft-capping, then
-  `self.loss_function(logits, labels, ...)`. None: not supported.
+  `self.loss_function(logits, labels, ...)` (plus `router_aux_loss_coef * aux_loss` for a mixture of experts).
+  None: not supported.
 - `fused_projections` (W4A16 decoding): `shared_input_projections`, groups `(parent attribute, layer names)` of
   linears that read the parent's input and run as one W4A16 launch.
 - `transformers_quantizer` (AWQ checkpoints): `awq_activation`, `(activation attribute, the linear before it)` of an
@@ -52,9 +53,8 @@ MODELS: dict[str, ModelFacts] = {
                        awq_activation=("act", "fc_in"), attention_class_table=("gptj", "GPTJ_ATTENTION_CLASSES"),
                        ring_attention=True),
     "gpt_bigcode": ModelFacts("GPTBigCodeForCausalLM", awq_activation=("act", "c_fc"), ring_attention=True),
-    # gpt-oss: attention sinks, sliding-window layers; no chunked loss (its forward adds the router's loss after
-    # the LM loss, which the chunked loss would drop); the experts are fused 3-D weights, not linears
-    "gpt_oss": ModelFacts(shared_input_projections=(("self_attn", ("q_proj", "k_proj", "v_proj")),)),
+    # gpt-oss: attention sinks, sliding-window layers, a mixture of experts (fused 3-D weights, not linears)
+    "gpt_oss": ModelFacts("GptOssForCausalLM", shared_input_projections=_LLAMA_PROJECTIONS[:1]),
     # AWQ checkpoints of these load onto our kernels; nothing else is wired for them
     "RefinedWebModel": ModelFacts(awq_activation=("act", "dense_h_to_4h")),
     "starcoder2": ModelFacts(awq_activation=("act", "c_fc")),
