@@ -126,10 +126,11 @@ def concat_calls(monkeypatch):
 
 @pytest.mark.parametrize("family,groups_per_layer,sizes", [("llama", 2, [3, 2]), ("gptj", 1, [3]),
                                                            ("qwen2", 2, [3, 2]), ("gemma2", 2, [3, 2]),
-                                                           ("gpt_oss", 1, [3])])
+                                                           ("gpt_oss", 1, [3]), ("qwen2_moe", 2, [3, 2])])
 def test_fused_model_matches_unfused(family, groups_per_layer, sizes, concat_calls):
     """Logits (padded batch) and greedy generation equal the unfused model's; each group ran as one launch; no
-    layer keeps a handed-over output after the forward. (Qwen2: q/k/v biases.)"""
+    layer keeps a handed-over output after the forward. (Qwen2: q/k/v biases; Qwen2-MoE: its shared expert's
+    gate/up.)"""
     overrides = dict(intermediate_size=256) if family not in ("gptj", "gpt_oss") else {}
     if family in ("gemma2", "gpt_oss"):  # its head dim is set, not derived: as wide as the others' at hidden 128
         overrides.update(head_dim=32)

@@ -45,6 +45,13 @@ MODELS: dict[str, ModelFacts] = {
     # Gemma-2: soft-capped attention scores and logits, sliding-window layers (no ring attention for those)
     "gemma2": ModelFacts("Gemma2ForCausalLM", final_logit_softcap="final_logit_softcapping",
                          shared_input_projections=_LLAMA_PROJECTIONS),
+    "gemma3_text": ModelFacts("Gemma3ForCausalLM", final_logit_softcap="final_logit_softcapping",
+                              shared_input_projections=_LLAMA_PROJECTIONS),
+    "phi3": ModelFacts("Phi3ForCausalLM", ring_attention=True),  # q/k/v and gate/up are one linear each already
+    # mixtures of experts: fused 3-D expert weights (not linears), the router's loss added to the LM loss
+    "mixtral": ModelFacts("MixtralForCausalLM", shared_input_projections=_LLAMA_PROJECTIONS[:1], ring_attention=True),
+    "qwen2_moe": ModelFacts("Qwen2MoeForCausalLM", ring_attention=True, shared_input_projections=(
+        _LLAMA_PROJECTIONS[0], ("shared_expert", ("gate_proj", "up_proj")))),
     "falcon": ModelFacts("FalconForCausalLM", awq_activation=("act", "dense_h_to_4h"),
                          attention_class_table=("falcon", "FALCON_ATTENTION_CLASSES")),
     "gpt2": ModelFacts("GPT2LMHeadModel", ring_attention=True),
