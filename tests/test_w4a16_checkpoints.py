@@ -127,6 +127,28 @@ def test_bad_checkpoint_tensor_is_named(corruption, tmp_path):
         load(tmp_path)
 
 
+def test_quantized_layers_the_model_stores_otherwise_are_an_error(tmp_path, caplog):
+    """Per-expert quantized linears (an older Mixtral GPTQ layout) cannot go into Transformers 5's fused 3-D experts:
+    a clear error instead of experts left random. A quantized layer nothing in the model takes only warns."""
+    model = tiny_model("mixtral")
+    write_quantized_checkpoint(model, tmp_path, QuantSpec("gptq"))
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    extra = {f"model.layers.7.self_attn.q_proj.{t}": tensors[f"model.layers.0.self_attn.q_proj.{t}"].clone()
+             for t in ("qweight", "qzeros", "scales", "g_idx")}  # a layer the model does not build
+    save_file({**tensors, **extra}, str(file), metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        load(tmp_path)
+    assert "1 quantized layer(s) of the checkpoint match no module of MixtralForCausalLM" in caplog.text
+    experts = {f"model.layers.0.mlp.experts.0.w1.{t}": v for t, v in extra.items()
+               for t in [t.rpartition(".")[2]]}
+    save_file({k: v for k, v in tensors.items() if ".mlp.experts." not in k} | experts, str(file),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.0\.w1'.*'model\.layers\.0\.mlp\.experts' "
+                                         r"\(MixtralExperts\).*fused 3-D weights.*HF_FASTPATH_GPTQ_BACKEND=gptqmodel"):
+        load(tmp_path)
+
+
 def test_w4a16_config_quantizes_on_load_and_saves_standard_gptq(tmp_path):
     float_model = tiny_model("gpt2")
     float_model.save_pretrained(tmp_path / "float")

@@ -103,6 +103,28 @@ def _module_name_for(key_prefix: str, module_names: set[str], base_prefix: str) 
     return None
 
 
+def _check_unmatched(model: nn.Module, unmatched: list[str], modules: dict, base_prefix: str) -> None:
+    """Quantized layers of the checkpoint that match no module: an error where they belong to a module that holds
+    weights of its own in another layout (per-expert linears of a mixture of experts that Transformers 5 fuses
+    into 3-D tensors): those weights would stay random. A warning where nothing in the model takes them (e.g. an
+    extra prediction layer the model does not build)."""
+    if not unmatched:
+        return
+    for prefix in unmatched:
+        parts = prefix.split(".")
+        owner = next((name for n in range(len(parts) - 1, 0, -1)
+                      if (name := _module_name_for(".".join(parts[:n]), set(modules), base_prefix)) is not None), None)
+        if owner is not None and any(True for _ in modules[owner].parameters(recurse=False)):
+            hint = (" Transformers 5 keeps this model's experts as fused 3-D weights; W4A16 does not load per-expert "
+                    "quantized layers into them. Load it with gptqmodel installed and HF_FASTPATH_GPTQ_BACKEND="
+                    "gptqmodel." if "expert" in prefix else "")
+            raise ValueError(f"quantized layer '{prefix}' of the checkpoint has no linear in "
+                             f"{type(model).__name__}: '{owner}' ({type(modules[owner]).__name__}) stores its weights "
+                             f"another way, so they would stay unloaded (random).{hint}")
+    logger.warning("%d quantized layer(s) of the checkpoint match no module of %s and stay unloaded, e.g. %s",
+                   len(unmatched), type(model).__name__, unmatched[:3])
+
+
 def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of nn.Linear (FalconLinear included) or GPT-2 Conv1D; None for anything else."""
     if isinstance(module, nn.Linear):
@@ -147,9 +169,7 @@ def replace_for_checkpoint(model: nn.Module, config, checkpoint_keys: set[str] |
         prefixes = [k[: -len(".qweight")] for k in checkpoint_keys if k.endswith(".qweight")]
         matched = {p: _module_name_for(p, set(modules), base_prefix) for p in prefixes}
         unmatched = sorted(p for p, name in matched.items() if name is None)
-        if unmatched:
-            logger.warning("%d quantized layer(s) of the checkpoint match no module of %s and stay unloaded, e.g. %s",
-                           len(unmatched), type(model).__name__, unmatched[:3])
+        _check_unmatched(model, unmatched, modules, base_prefix)
         names = {name for name in matched.values() if name is not None}
         with_bias = {_module_name_for(k[: -len(".bias")], set(modules), base_prefix)
                      for k in checkpoint_keys if k.endswith(".bias")}
