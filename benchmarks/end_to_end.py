@@ -9,7 +9,8 @@ Model (`--model`): Llama-3-8B-shaped (hidden 4096, 32/8 heads, head dim 128, MLP
 or Gemma-2-9B-shaped (head dim 256, soft caps, sliding window; results to `end_to_end_gemma2-9b.json`), or
 Mistral-7B-shaped (Llama-3-8B's attention with a 4096-token sliding window; `end_to_end_mistral-7b.json`), or
 Falcon-RW-7B-shaped (ALiBi, 64 heads of 64: Transformers' "sdpa" adds a [B, H, S, S] float bias, fastpath passes the
-slopes to its kernels; `end_to_end_falcon-rw-7b.json`), `--layers`
+slopes to its kernels; `end_to_end_falcon-rw-7b.json`), or gpt-oss-20b-shaped (attention sinks; Transformers has no
+"sdpa" for it, so the peer is its default "eager"; `end_to_end_gpt-oss-20b.json`), `--layers`
 decoder layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
 Rows (each: sdpa, fastpath, fastpath / sdpa; higher is better everywhere):
 - train: forward + backward (all parameters, loss on every token), tokens/s, 1 x 8192 tokens, and the same tokens
@@ -55,16 +56,23 @@ NEOX_20B = dict(hidden_size=6144, intermediate_size=24576, num_attention_heads=6
 # head dim 64 (32 heads of 64, MHA): the small Llamas (HuggingFaceTB/SmolLM2-1.7B)
 SMOLLM2_1_7B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
                     vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0, max_position_embeddings=40960)
+# attention sinks, 64 heads of 64 over 8 KV heads, every other layer a 128-token window, 32 experts top-4
+# (openai/gpt-oss-20b, experts in bf16 here). Transformers has no sdpa for it: the peer is its default, eager.
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                   head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128, vocab_size=201088,
+                   max_position_embeddings=40960)
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
           "smollm2-1.7b": ("llama", SMOLLM2_1_7B, "SmolLM2-1.7B shape (head dim 64), random weights"),
           "neox-20b": ("gpt_neox", NEOX_20B, "GPT-NeoX-20B shape (head dim 96), random weights"),
           "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights"),
           "mistral-7b": ("mistral", MISTRAL_7B, "Mistral-7B shape (sliding window 4096), random weights"),
-          "falcon-rw-7b": ("falcon", FALCON_RW_7B, "Falcon-RW-7B shape (ALiBi, head dim 64), random weights")}
-IMPLS = ("sdpa", "fastpath")
-# --control: "sdpa" against itself under the name "fastpath", to show how far apart the harness puts two runs of
+          "falcon-rw-7b": ("falcon", FALCON_RW_7B, "Falcon-RW-7B shape (ALiBi, head dim 64), random weights"),
+          "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "gpt-oss-20b shape (sinks, window 128, 32 experts), random weights")}
+# the attention each model is timed against: what Transformers gives it by default
+PEERS = {"gpt-oss-20b": "eager"}
+IMPLS = ("sdpa", "fastpath")  # (peer, ours): main() sets the peer from --model
+# --control: the peer against itself under the name "fastpath", to show how far apart the harness puts two runs of
 # the very same kernels (the noise any ratio here carries)
-CONTROL_IMPLS = {"sdpa": "sdpa", "fastpath": "sdpa"}
 NEW_TOKENS = 32
 
 
@@ -180,13 +188,18 @@ def main():
 
     only, dtypes = set(args.only.split(",")), args.dtypes.split(",")
     model_type, shape, described = MODELS[args.model]
+    global IMPLS
+    peer = PEERS.get(args.model, "sdpa")
+    IMPLS = (peer, "fastpath")
     if args.out is None:
         args.out = RESULTS if args.model == "llama3-8b" else RESULTS.replace(".json", f"_{args.model}.json")
         args.out = args.out.replace(".json", "_control.json") if args.control else args.out
     res = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          transformers=transformers.__version__, date=datetime.date.today().isoformat(),
                          layers=args.layers, model=described, new_tokens=NEW_TOKENS,
-                         control="sdpa timed against itself (the 'fastpath' column is sdpa)" if args.control else None),
+                         peer=peer,
+                         control=f"{peer} timed against itself (the 'fastpath' column is {peer})" if args.control
+                         else None),
                rows=[])
     if os.path.exists(args.out):  # runs split over several calls add their rows to one file
         old = json.load(open(args.out))
@@ -201,7 +214,7 @@ def main():
         row = dict(workflow=workflow, dtype=dtype, shape=shape, unit=unit)
         for round_ in range(rounds):
             for impl in (IMPLS if round_ % 2 == 0 else IMPLS[::-1]):
-                model.set_attn_implementation(CONTROL_IMPLS[impl] if args.control else impl)
+                model.set_attn_implementation(peer if args.control else impl)
                 torch._dynamo.reset()
                 from torch._dynamo.utils import counters
 
@@ -216,10 +229,10 @@ def main():
                     row[f"{impl}_graph_breaks"] = sum(counters["graph_break"].values())
                     row[f"{impl}_graphs"] = counters["stats"]["unique_graphs"]
                 torch.cuda.empty_cache()
-        if row.get("sdpa") and row.get("fastpath"):
-            row["ratio"] = row["fastpath"] / row["sdpa"]
-            # the noise beside it: fastpath / sdpa of each round's pair (same round, adjacent in time)
-            pairs = [f / s for f, s in zip(row.get("fastpath_rounds", []), row.get("sdpa_rounds", []))]
+        if row.get(peer) and row.get("fastpath"):
+            row["ratio"] = row["fastpath"] / row[peer]
+            # the noise beside it: fastpath / peer of each round's pair (same round, adjacent in time)
+            pairs = [f / s for f, s in zip(row.get("fastpath_rounds", []), row.get(f"{peer}_rounds", []))]
             row["ratio_rounds"] = [round(x, 3) for x in pairs]
         res["rows"].append(row)
         res["rows"].sort(key=row_order)  # rows kept from an earlier run and new ones, in the table's order
@@ -230,7 +243,7 @@ def main():
     config = transformers.AutoConfig.for_model(model_type, **shape, num_hidden_layers=args.layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=peer)
     model.generation_config.pad_token_id = 0
     for dtype in dtypes:
         if dtype == "w4a16":
@@ -322,7 +335,7 @@ def plot(path):
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("fastpath / sdpa (throughput; > 1: fastpath faster)")
+    ax.set_xlabel(f"fastpath / {data['meta'].get('peer', 'sdpa')} (throughput; > 1: fastpath faster)")
     ax.set_title(f"End to end, {data['meta'].get('model', 'Llama-3-8B shape').split(',')[0]}, "
                  f"{data['meta'].get('layers', 4)} layers, H200")
     fig.tight_layout()
