@@ -19,14 +19,15 @@ TOL = {torch.float32: 2e-4, torch.bfloat16: 5e-2}
 
 
 def sink_attention_float64(q, k, v, sinks, *, causal=False, window_size=(-1, -1), key_mask=None, scale=None):
-    """q `[B, Sq, Hq, D]`, k/v `[B, Sk, Hkv, D]`, sinks `[Hq]` -> out `[B, Sq, Hq, D]`, in float64 (autograd)."""
+    """q `[B, Sq, Hq, D]`, k/v `[B, Sk, Hkv, D]`, sinks `[Hq]` -> out `[B, Sq, Hq, D]`, in float64 (autograd), on
+    q's device."""
     q, k, v, sinks = (t.double() for t in (q, k, v, sinks))
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     k, v = (t.repeat_interleave(hq // hkv, 2) for t in (k, v))
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (scale if scale is not None else d ** -0.5)
-    keep = torch.ones(b, 1, sq, sk, dtype=torch.bool)
-    visible = visible_mask(sq, sk, causal, window_size)
+    keep = torch.ones(b, 1, sq, sk, dtype=torch.bool, device=q.device)
+    visible = visible_mask(sq, sk, causal, window_size, q.device)
     if visible is not None:
         keep = keep & visible
     if key_mask is not None:
