@@ -490,14 +490,76 @@ def test_head_dim_over_256_is_refused():
         model(torch.ones(1, 4, dtype=torch.long))
 
 
-def test_unsupported_device_and_custom_4d_mask_are_refused():
+def test_unsupported_device_and_custom_4d_float_mask_are_refused():
     fn = ta.VARIANTS["fastpath"]
     q = torch.randn(1, 2, 4, 16, device="meta")
     with pytest.raises(RuntimeError, match="CUDA GPUs.*sdpa"):
         fn(_Module(), q, q, q, None)
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="2-D padding mask.*4-D"):
-        fn(_Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        fn(_Module(), q, q, q, torch.zeros(1, 1, 4, 4))
+
+
+def test_dense_bool_masks_run_our_kernel_where_they_can_and_sdpa_elsewhere(reference_kernel, caplog):
+    """A [B, 1, Sq, Skv] bool mask (an overlay model's, e.g. Gemma-3's image blocks, or a user's): causal + padding
+    becomes our kernel's padding mask; anything else (a bidirectional block) runs through SDPA with one warning,
+    matching the dense definition either way."""
+    fn = ta.VARIANTS["fastpath"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 16, generator=g) for h in (4, 2, 2))
+    real = torch.ones(2, 9, dtype=torch.bool)
+    real[1, :3] = False
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    plain = causal[None] & real[:, None, :]
+    overlay = plain.clone()
+    overlay[:, 4:7, 4:7] = True  # one bidirectional block (an image)
+    overlay[1, 4:7, :3] = False
+    WARNED.discard("adapter:dense-mask:fastpath")
+    for keep, warned in ((plain, False), (overlay, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            out, _ = fn(_Module(), q, k, v, keep[:, None], scaling=0.25)
+        assert ("run through PyTorch SDPA" in caplog.text) == warned
+        want = _dense_reference(q, k, v, keep, 0.25)
+        torch.testing.assert_close(out[real], want[real], atol=ATOL, rtol=1e-4)
+    WARNED.discard("adapter:dense-mask:fastpath")
+
+
+def _tiny_gemma3_vlm(impl):
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_hidden_layers=2, max_position_embeddings=128, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=4)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def test_gemma3_image_tokens_keep_their_bidirectional_attention(reference_kernel, caplog):
+    """Gemma-3's image tokens see their whole image (an overlay on the causal mask): those layers' calls go to SDPA
+    (one warning) instead of silently running causal; text-only calls stay on our kernel."""
+    WARNED.discard("adapter:dense-mask:fastpath")
+    ids = torch.tensor([[5, 6, 297, 299, 299, 299, 299, 298, 7, 8, 9, 10],
+                        [0, 0, 11, 297, 299, 299, 299, 299, 298, 12, 13, 14]])  # left padding in row 1
+    mask = (ids != 0).long()
+    kw = dict(input_ids=ids, attention_mask=mask, token_type_ids=(ids == 299).long(),
+              pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)))
+    ref, fast = _tiny_gemma3_vlm("eager"), _tiny_gemma3_vlm("fastpath")
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        text_only = fast(input_ids=ids[:, :3], attention_mask=mask[:, :3]).logits
+        assert "run through PyTorch SDPA" not in caplog.text
+        got = fast(**kw).logits
+        assert "run through PyTorch SDPA" in caplog.text
+        want = ref(**kw).logits
+        text_ref = ref(input_ids=ids[:, :3], attention_mask=mask[:, :3]).logits
+        torch.testing.assert_close(text_only[:, 2:], text_ref[:, 2:], atol=ATOL, rtol=1e-4)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=1e-4)
+    WARNED.discard("adapter:dense-mask:fastpath")
 
 
 def test_missing_forced_backend_fails_clearly():

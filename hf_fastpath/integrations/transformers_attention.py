@@ -44,6 +44,7 @@ from ..attention import attention
 from ..attention.backends import select_backend
 from ..attention.interface import _unpadded
 from ..attention.params import AttentionParams
+from ..attention.reference import visible_mask
 from ..kernels.common import derived_once, warn_once
 from ..kernels.flash_attention import cu_seqlens_segment_ids, segment_table
 from .falcon import alibi_slopes_of
@@ -90,7 +91,10 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     - an int8 `[B, kv_length]` static-cache table: 1 a real token, 0 padding, -1 a slot no token has reached yet
       (static caches hand the attention all `max_cache_len` slots; `q_offset` is then a tensor);
     - an int32 `[3, B, S]` packed-sequence table (`kernels.flash_attention.segment_table`), when Transformers'
-      mask function keeps packed sequences apart (restarting `position_ids` in a padding-free batch).
+      mask function keeps packed sequences apart (restarting `position_ids` in a padding-free batch);
+    - a bool `[B, 1, Sq, Skv]` mask, when the model lays an overlay over the causal mask (`or_mask_function`, e.g.
+      Gemma-3's bidirectional image tokens): the adapter runs our kernels where it amounts to causal (or full)
+      attention + padding, PyTorch SDPA on the mask elsewhere (one-time warning).
     While compiling nothing reads tensor values on the host (a mask is returned even when all its keys are real);
     eagerly, one check per forward drops masks that mask nothing, unless Transformers says the mask may not be
     skipped (`allow_is_causal_skip=False`: a static cache, whose compiled decode step generate() hands masks made
@@ -100,6 +104,14 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
         device = attention_mask.device
     elif isinstance(q_offset, torch.Tensor):
         device = q_offset.device
+    if q_length > 1 and (kwargs.get("use_vmap") or getattr(mask_function, "__name__", None) == "or_mask"):
+        # an overlay on the causal mask (Gemma-3's bidirectional image blocks, a bidirectional encoder's all-true
+        # one): the whole mask, for the adapter to check against what the kernels express (`_as_padding_mask`)
+        from transformers.masking_utils import sdpa_mask
+
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                         local_size=kwargs.get("local_size"), allow_is_causal_skip=False, use_vmap=True,
+                         device=device)
     compiling = _compiling()
     if isinstance(q_offset, torch.Tensor) or kv_offset + kv_length > q_offset + q_length:  # static cache
         filled = (torch.arange(kv_length, device=device) + kv_offset) < (q_offset + q_length)
@@ -150,6 +162,7 @@ def _packed_segments(mask_function, batch_size, length, device, compiling):
 _SEQUSED: dict = {}
 _POSITION_SEGMENTS: dict = {}
 _PACKINGS: dict = {}
+_DENSE_MASKS: dict = {}
 
 
 def _compiling() -> bool:
@@ -193,6 +206,32 @@ def _packing(cu_q: torch.Tensor, cu_k: torch.Tensor, device) -> tuple:
         return cu_k, pair  # cu_k lives as long as the entry: its id in the key cannot be reused meanwhile
 
     return derived_once(_PACKINGS, cu_q, (id(cu_k), cu_k._version), make)[1]
+
+
+def _as_padding_mask(mask: torch.Tensor, causal: bool, window) -> torch.Tensor | None:
+    """A dense bool `[B, 1, Sq, Skv]` mask -> the `[B, Skv]` padding mask it amounts to for a kernel call with this
+    causality and window, or None where it is something else (keys visible beyond them: bidirectional image
+    blocks) or cannot be checked (while compiling). One host sync per mask (the model's layers share it)."""
+    def reduce():
+        keep = mask[:, 0]
+        key_ok = keep.any(dim=1)  # a real key is seen by some query
+        visible = visible_mask(keep.shape[1], keep.shape[2], causal, window, keep.device)
+        expected = key_ok[:, None, :] if visible is None else key_ok[:, None, :] & visible
+        return key_ok if torch.equal(keep, expected) else None
+
+    return None if _compiling() else derived_once(_DENSE_MASKS, mask, (causal, tuple(window)), reduce)
+
+
+def _dense_mask_fallback(name, q, k, v, mask, kw, dropout, sinks):
+    """Attention on a dense mask our kernels cannot express, through PyTorch SDPA (one-time warning)."""
+    if kw["softcap"] or kw["alibi_slopes"] is not None or sinks is not None:
+        raise NotImplementedError(f"{name}: this model's mask has parts a FlashAttention kernel cannot express (e.g. "
+                                  "bidirectional image tokens) and its attention also needs a soft-cap, ALiBi or "
+                                  "sinks, which the SDPA fallback lacks. Use attn_implementation='eager'.")
+    _warn_once(f"dense-mask:{name}", f"{name}: this model's mask has parts our kernels cannot express (queries that "
+                                     "see keys beyond the causal / sliding-window pattern, e.g. Gemma-3's "
+                                     "bidirectional image tokens); those calls run through PyTorch SDPA.")
+    return _sdpa_on_mask(q, k, v, mask, kw["softmax_scale"], dropout)
 
 
 def _plan(name, attention_mask, q, k, kwargs, training=False) -> dict:
@@ -274,7 +313,7 @@ def _sdpa_fallback(q, k, v, *, causal, scale, dropout_p, window, alibi_slopes, s
     dropout). q `[B,Sq,H,D]`, k/v `[B,Skv,Hkv,D]`; `pad_mask` `[B,Skv]` bool or None; `seg_ids` `[B,S]` packed
     sequence ids or None. Rows that see no key give zeros."""
     b, sq, hq, _ = q.shape
-    skv, hkv = k.shape[1], k.shape[2]
+    skv = k.shape[1]
     if softcap:
         raise NotImplementedError("The dropout fallback has no softcap; train with dropout=0 or use 'eager'.")
     i = torch.arange(sq, device=q.device)[:, None] + (skv - sq)
@@ -292,20 +331,27 @@ def _sdpa_fallback(q, k, v, *, causal, scale, dropout_p, window, alibi_slopes, s
         keep = keep & pad_mask[:, None, None, :]
     if seg_ids is not None:
         keep = keep & (seg_ids[:, None, -sq:, None] == seg_ids[:, None, None, :])
-    rep = hq // hkv
+    alibi = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(q.dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, hq, 1, 1)
+        alibi = -slopes * (i - j).abs().to(q.dtype)
+    return _sdpa_on_mask(q, k, v, keep, scale, dropout_p, alibi)
+
+
+def _sdpa_on_mask(q, k, v, keep, scale, dropout_p=0.0, bias=None):
+    """PyTorch SDPA where bool `keep` `[B, 1, Sq, Skv]` is True, plus an optional float `bias`; q `[B,Sq,H,D]`,
+    k/v `[B,Skv,Hkv,D]` -> `[B,Sq,H,D]`. Rows that see no key give zeros."""
+    rep = q.shape[2] // k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if rep > 1:
         kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
-    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(q.dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, hq, 1, 1)
-        bias = bias - slopes * (i - j).abs().to(q.dtype)
+    masked = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+    masked = masked if bias is None else masked + bias
     any_key = keep.any(-1, keepdim=True)
-    bias = torch.where(any_key, bias, torch.zeros((), dtype=q.dtype, device=q.device))
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, dropout_p=dropout_p,
+    masked = torch.where(any_key, masked, torch.zeros((), dtype=q.dtype, device=q.device))
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=masked, dropout_p=dropout_p,
                                                            scale=scale)
-    out = out.masked_fill(~any_key, 0.0)
-    return out.transpose(1, 2)
+    return out.masked_fill(~any_key, 0.0).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -368,6 +414,11 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     kw = dict(causal=bool(is_causal), softmax_scale=scale, window_size=window, softcap=kwargs.get("softcap") or 0.0,
               alibi_slopes=alibi_slopes_of(module, query.device) if slopes is None else slopes)
     dropout = float(dropout or 0.0) if module.training else 0.0
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype == torch.bool:
+        key_ok = _as_padding_mask(attention_mask, kw["causal"], window)
+        if key_ok is None:
+            return _dense_mask_fallback(name, q, k, v, attention_mask, kw, dropout, sinks), None
+        attention_mask = key_ok
     masks = _plan(name, attention_mask, q, k, kwargs, torch.is_grad_enabled() and query.requires_grad)
     if auto_dispatch and not masks and not dropout and window == (-1, -1) and not kw["softcap"] and \
             kw["alibi_slopes"] is None and sinks is None:
