@@ -562,6 +562,25 @@ def test_gemma3_image_tokens_keep_their_bidirectional_attention(reference_kernel
     WARNED.discard("adapter:dense-mask:fastpath")
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama4_chunked_attention_matches_eager(reference_kernel, cache):
+    """Llama-4's chunked layers (4-token chunks here): past the first chunk a query sees only its own chunk; those
+    calls (prefill and decode) run on the mask through SDPA instead of silently attending causally."""
+    config = transformers.Llama4TextConfig(vocab_size=128, pad_token_id=0, eos_token_id=0, bos_token_id=0,
+                                           hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           num_hidden_layers=2, max_position_embeddings=64, num_local_experts=2,
+                                           attention_chunk_size=4, tie_word_embeddings=False)
+    ref, fast = (tiny_model("llama", impl, config=config) for impl in ("eager", "fastpath"))
+    ids, mask = random_batch(2, 11, left_pad=(3, 0), seed=3)
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    seq_ref, logits_ref = _generate(ref, ids, mask, **kw)
+    seq_fast, logits_fast = _generate(fast, ids, mask, **kw)
+    torch.testing.assert_close(logits_fast, logits_ref, atol=ATOL, rtol=1e-4)
+    assert torch.equal(seq_fast, seq_ref)
+    WARNED.discard("adapter:dense-mask:fastpath")
+
+
 def test_missing_forced_backend_fails_clearly():
     """`fastpath_fa3` on a machine without FA3 must name what is missing, not silently run something else."""
     pytest.importorskip("transformers")

@@ -93,8 +93,9 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     - an int32 `[3, B, S]` packed-sequence table (`kernels.flash_attention.segment_table`), when Transformers'
       mask function keeps packed sequences apart (restarting `position_ids` in a padding-free batch);
     - a bool `[B, 1, Sq, Skv]` mask, when the model lays an overlay over the causal mask (`or_mask_function`, e.g.
-      Gemma-3's bidirectional image tokens): the adapter runs our kernels where it amounts to causal (or full)
-      attention + padding, PyTorch SDPA on the mask elsewhere (one-time warning).
+      Gemma-3's bidirectional image tokens) or attends in chunks (Llama-4) past its first chunk: the adapter runs
+      our kernels where it amounts to causal (or full) attention + padding, PyTorch SDPA on the mask elsewhere
+      (one-time warning).
     While compiling nothing reads tensor values on the host (a mask is returned even when all its keys are real);
     eagerly, one check per forward drops masks that mask nothing, unless Transformers says the mask may not be
     skipped (`allow_is_causal_skip=False`: a static cache, whose compiled decode step generate() hands masks made
@@ -104,9 +105,14 @@ def fastpath_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
         device = attention_mask.device
     elif isinstance(q_offset, torch.Tensor):
         device = q_offset.device
-    if q_length > 1 and (kwargs.get("use_vmap") or getattr(mask_function, "__name__", None) == "or_mask"):
+    overlay = q_length > 1 and (kwargs.get("use_vmap") or getattr(mask_function, "__name__", None) == "or_mask")
+    chunk = getattr(kwargs.get("config"), "attention_chunk_size", None)  # Llama-4's chunked layers pass it
+    chunked = chunk is not None and kwargs.get("local_size") == chunk and (
+        isinstance(q_offset, torch.Tensor) or kv_offset + kv_length > chunk)
+    if overlay or chunked:
         # an overlay on the causal mask (Gemma-3's bidirectional image blocks, a bidirectional encoder's all-true
-        # one): the whole mask, for the adapter to check against what the kernels express (`_as_padding_mask`)
+        # one) or chunked attention past its first chunk: the whole mask, for the adapter to check against what the
+        # kernels express (`_as_padding_mask`)
         from transformers.masking_utils import sdpa_mask
 
         return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
@@ -226,11 +232,13 @@ def _dense_mask_fallback(name, q, k, v, mask, kw, dropout, sinks):
     """Attention on a dense mask our kernels cannot express, through PyTorch SDPA (one-time warning)."""
     if kw["softcap"] or kw["alibi_slopes"] is not None or sinks is not None:
         raise NotImplementedError(f"{name}: this model's mask has parts a FlashAttention kernel cannot express (e.g. "
-                                  "bidirectional image tokens) and its attention also needs a soft-cap, ALiBi or "
-                                  "sinks, which the SDPA fallback lacks. Use attn_implementation='eager'.")
+                                  "bidirectional image tokens, chunked attention) and its attention also needs a "
+                                  "soft-cap, ALiBi or sinks, which the SDPA fallback lacks. Use "
+                                  "attn_implementation='eager'.")
     _warn_once(f"dense-mask:{name}", f"{name}: this model's mask has parts our kernels cannot express (queries that "
-                                     "see keys beyond the causal / sliding-window pattern, e.g. Gemma-3's "
-                                     "bidirectional image tokens); those calls run through PyTorch SDPA.")
+                                     "see other keys than the causal / sliding-window pattern gives them, e.g. "
+                                     "Gemma-3's bidirectional image tokens, Llama-4's chunked attention); those "
+                                     "calls run through PyTorch SDPA.")
     return _sdpa_on_mask(q, k, v, mask, kw["softmax_scale"], dropout)
 
 
