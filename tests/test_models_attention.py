@@ -562,6 +562,17 @@ def test_gemma3_image_tokens_keep_their_bidirectional_attention(reference_kernel
     WARNED.discard("adapter:dense-mask:fastpath")
 
 
+def test_sliding_window_taken_from_the_layer_when_not_passed(reference_kernel):
+    """Qwen2-MoE's attention does not pass `sliding_window` to the attention function; its sliding layers keep it
+    as an attribute (the mask function alone would have given them full causal attention)."""
+    overrides = dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    ref, fast = tiny_model("qwen2_moe", "eager", **overrides), tiny_model("qwen2_moe", "fastpath", **overrides)
+    ids, mask = random_batch(2, 12, left_pad=(3, 0), seed=2)
+    with torch.no_grad():
+        got, want = fast(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=ATOL, rtol=1e-4)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_llama4_chunked_attention_matches_eager(reference_kernel, cache):
     """Llama-4's chunked layers (4-token chunks here): past the first chunk a query sees only its own chunk; those

@@ -415,7 +415,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B,S,H,D] views, no copy
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window = (-1, -1)
-    sliding_window = kwargs.get("sliding_window")
+    # a sliding-window layer whose attention does not pass its window (Qwen2-MoE) still has it as an attribute
+    sliding_window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if sliding_window is not None and k.shape[1] > sliding_window:
         window = (sliding_window - 1, -1 if is_causal else sliding_window - 1)
     slopes = kwargs.get("alibi_slopes")
