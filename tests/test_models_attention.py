@@ -592,6 +592,16 @@ def test_llama4_chunked_attention_matches_eager(reference_kernel, cache):
     WARNED.discard("adapter:dense-mask:fastpath")
 
 
+def test_models_that_compute_attention_themselves_refuse_our_names():
+    """Bloom adds its own ALiBi scores to the mask: with our name it used to fail on our 2-D mask deep inside its
+    attention (other such models silently ran their own eager code). Now the choice itself is refused."""
+    config = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_head=4, n_layer=2)
+    with pytest.raises(ValueError, match=r"BloomForCausalLM computes attention in its own code.*'sdpa' or 'eager'"):
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="fastpath")
+    # (set_attn_implementation on such a model warns and keeps its attention: Transformers' own check)
+    assert ta.uses_attention_interface(tiny_model("llama")) and ta.uses_attention_interface(tiny_model("falcon"))
+
+
 def test_missing_forced_backend_fails_clearly():
     """`fastpath_fa3` on a machine without FA3 must name what is missing, not silently run something else."""
     pytest.importorskip("transformers")

@@ -496,8 +496,52 @@ def _builtin_kernel(backend: str):
     return kernel
 
 
+def uses_attention_interface(model) -> bool:
+    """Whether `model` computes attention through Transformers' `ALL_ATTENTION_FUNCTIONS`, where our names take
+    effect: its modeling module (or its text model's) imports it, or the model table patches its attention classes
+    (Falcon on older Transformers). Bloom, MPT, BigBird... compute attention in their own code: with our name they
+    would fail on our mask or silently ignore our kernels."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    from .models import facts_for
+
+    config = getattr(model, "config", None)
+    if facts_for(config).attention_class_table:
+        return True
+    modules = {cls.__module__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers.models.")}
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    text_class = MODEL_MAPPING_NAMES.get(getattr(text, "model_type", None))
+    if isinstance(text_class, str):
+        import transformers
+
+        text_cls = getattr(transformers, text_class, None)
+        if text_cls is not None:
+            modules.add(text_cls.__module__)
+    return any(hasattr(importlib.import_module(m), "ALL_ATTENTION_FUNCTIONS") for m in modules)
+
+
+def _check_model_takes_our_attention(original):
+    """Wraps `PreTrainedModel.get_correct_attn_implementation` (from_pretrained, set_attn_implementation): one of our
+    names on a model that would not use it is a clear error there, not a shape error (or a silent eager run) later."""
+    @functools.wraps(original)
+    def checked(self, requested_attention, *args, **kwargs):
+        chosen = original(self, requested_attention, *args, **kwargs)
+        if chosen in VARIANTS and not uses_attention_interface(self):
+            raise ValueError(f"attn_implementation={chosen!r}: {type(self).__name__} computes attention in its own "
+                             "code, not through Transformers' AttentionInterface, so hf_fastpath's kernels cannot run "
+                             "in it. Use attn_implementation='sdpa' or 'eager' for this model.")
+        return chosen
+
+    checked._hf_fastpath_checked = True
+    return checked
+
+
 def register() -> None:
     """Register the built-in `fastpath*` names, low-bit ones included. Safe to call more than once."""
+    from transformers import PreTrainedModel
+
     from ..attention.lowbit import fp4_attention, fp8_attention
 
     kernels = {name: _builtin_kernel(backend) for name, backend in _BUILTIN_VARIANTS.items()}
@@ -505,3 +549,6 @@ def register() -> None:
     for name, kernel in kernels.items():
         if name not in VARIANTS:
             register_attention_variant(name, kernel)
+    original = getattr(PreTrainedModel, "get_correct_attn_implementation", None)
+    if original is not None and not getattr(original, "_hf_fastpath_checked", False):
+        PreTrainedModel.get_correct_attn_implementation = _check_model_takes_our_attention(original)
