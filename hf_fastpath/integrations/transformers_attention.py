@@ -510,7 +510,11 @@ def uses_attention_interface(model) -> bool:
     config = getattr(model, "config", None)
     if facts_for(config).attention_class_table:
         return True
-    modules = {cls.__module__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers.models.")}
+    from transformers import PreTrainedModel
+
+    # the model's own classes (remote code included), not Transformers' base classes
+    modules = {cls.__module__ for cls in type(model).__mro__
+               if issubclass(cls, PreTrainedModel) and not cls.__module__.startswith("transformers.modeling")}
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
     text_class = MODEL_MAPPING_NAMES.get(getattr(text, "model_type", None))
     if isinstance(text_class, str):
