@@ -140,8 +140,7 @@ def _attention_with_sinks(q, k, v, sinks, params: AttentionParams, backend: str,
     if backend not in ("auto", "triton", "reference"):
         raise BackendUnavailable(f"attention backend {backend!r} has no attention sinks; use backend='auto', "
                                  "'triton' or 'reference'.")
-    module = reference if backend == "reference" else _raw_backend(q, v) if backend == "auto" else None
-    if module is reference:
+    if backend == "reference" or (backend == "auto" and _raw_backend(q, v) is reference):
         def forward(q, k, v, p):
             return reference.attention_forward(q, k, v, **p.kernel_kwargs())
 

@@ -503,6 +503,7 @@ def uses_attention_interface(model) -> bool:
     would fail on our mask or silently ignore our kernels."""
     import importlib
 
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     from .models import facts_for
@@ -510,19 +511,13 @@ def uses_attention_interface(model) -> bool:
     config = getattr(model, "config", None)
     if facts_for(config).attention_class_table:
         return True
-    from transformers import PreTrainedModel
-
-    # the model's own classes (remote code included), not Transformers' base classes
-    modules = {cls.__module__ for cls in type(model).__mro__
-               if issubclass(cls, PreTrainedModel) and not cls.__module__.startswith("transformers.modeling")}
+    # the model's own classes (remote code included), not Transformers' base classes, and its text model's
+    modules = {cls.__module__ for cls in type(model).__mro__ if issubclass(cls, transformers.PreTrainedModel)
+               and not cls.__module__.startswith("transformers.modeling")}
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    text_class = MODEL_MAPPING_NAMES.get(getattr(text, "model_type", None))
-    if isinstance(text_class, str):
-        import transformers
-
-        text_cls = getattr(transformers, text_class, None)
-        if text_cls is not None:
-            modules.add(text_cls.__module__)
+    text_class = getattr(transformers, str(MODEL_MAPPING_NAMES.get(getattr(text, "model_type", None))), None)
+    if text_class is not None:
+        modules.add(text_class.__module__)
     return any(hasattr(importlib.import_module(m), "ALL_ATTENTION_FUNCTIONS") for m in modules)
 
 
