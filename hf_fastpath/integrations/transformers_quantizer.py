@@ -108,12 +108,11 @@ def _check_unmatched(model: nn.Module, unmatched: list[str], modules: dict, base
     weights of its own in another layout (per-expert linears of a mixture of experts that Transformers 5 fuses
     into 3-D tensors): those weights would stay random. A warning where nothing in the model takes them (e.g. an
     extra prediction layer the model does not build)."""
-    if not unmatched:
-        return
+    names = set(modules)
     for prefix in unmatched:
         parts = prefix.split(".")
         owner = next((name for n in range(len(parts) - 1, 0, -1)
-                      if (name := _module_name_for(".".join(parts[:n]), set(modules), base_prefix)) is not None), None)
+                      if (name := _module_name_for(".".join(parts[:n]), names, base_prefix)) is not None), None)
         if owner is not None and any(True for _ in modules[owner].parameters(recurse=False)):
             hint = (" Transformers 5 keeps this model's experts as fused 3-D weights; W4A16 does not load per-expert "
                     "quantized layers into them. Load it with gptqmodel installed and HF_FASTPATH_GPTQ_BACKEND="
@@ -121,8 +120,9 @@ def _check_unmatched(model: nn.Module, unmatched: list[str], modules: dict, base
             raise ValueError(f"quantized layer '{prefix}' of the checkpoint has no linear in "
                              f"{type(model).__name__}: '{owner}' ({type(modules[owner]).__name__}) stores its weights "
                              f"another way, so they would stay unloaded (random).{hint}")
-    logger.warning("%d quantized layer(s) of the checkpoint match no module of %s and stay unloaded, e.g. %s",
-                   len(unmatched), type(model).__name__, unmatched[:3])
+    if unmatched:
+        logger.warning("%d quantized layer(s) of the checkpoint match no module of %s and stay unloaded, e.g. %s",
+                       len(unmatched), type(model).__name__, unmatched[:3])
 
 
 def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
