@@ -498,6 +498,8 @@ def test_unsupported_device_and_custom_4d_float_mask_are_refused():
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="2-D padding mask.*4-D"):
         fn(_Module(), q, q, q, torch.zeros(1, 1, 4, 4))
+    with pytest.raises(NotImplementedError, match="per-token attention sinks"):  # Inkling's; gpt-oss's are s_aux
+        fn(_Module(), q, q, q, None, sinks=torch.zeros(1, 2, 4, 1))
 
 
 def test_dense_bool_masks_run_our_kernel_where_they_can_and_sdpa_elsewhere(reference_kernel, caplog):

@@ -301,6 +301,9 @@ def _check_inputs(name: str, query: torch.Tensor, key: torch.Tensor, kwargs: dic
                          f"{query.shape[-1]}. Use attn_implementation='sdpa' for it.")
     if query.shape[1] % key.shape[1] != 0:
         raise ValueError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads.")
+    if kwargs.get("sinks") is not None:  # Inkling: per-token sink logits from a projection (ours: per head, s_aux)
+        raise NotImplementedError(f"{name} attention has no per-token attention sinks (`sinks`); this model needs "
+                                  "them. Use attn_implementation='eager' for it.")
     if kwargs.get("output_attentions"):
         _warn_once("output_attentions", f"{name} attention does not return attention weights "
                                         "(output_attentions=True); use attn_implementation='eager' to get them.")
