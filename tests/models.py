@@ -8,9 +8,9 @@ Every config: 2 layers, hidden 64, 4 query heads (head dim 16), vocab 128, 64 po
 `gemma2` (GQA, soft-capped scores and logits, alternating sliding-window 8 and full layers), `falcon` (rotary +
 multi-query), `falcon_gqa` (new_decoder_architecture, 2 KV heads),
 `falcon_alibi` (ALiBi, parallel attention), `gpt2` (Conv1D, scale_attn_by_inverse_layer_idx), `gpt_neox` (partial
-rotary), `gptj` (partial rotary), `gpt_bigcode` (multi-query), `gemma3_text` ((1 + w) norms, sliding
-window 8 on every other layer, logit soft-cap), `phi3` (fused q/k/v and gate/up), `mixtral` (4 experts),
-`qwen2_moe` (4 experts and a gated shared expert), `gpt_oss` (attention sinks, sliding window 8 on every other
+rotary), `gptj` (partial rotary), `gpt_bigcode` (multi-query), `gemma3_text` ((1 + w) norms, sliding window 8 on
+every other layer, logit soft-cap), `phi3` (fused q/k/v and gate/up), `mixtral` (4 experts), `qwen2_moe` (4 experts
+and a gated shared expert), `qwen3_moe` (4 experts), `gpt_oss` (attention sinks, sliding window 8 on every other
 layer, 4 experts). `overrides` are config keyword arguments, e.g.
 `tiny_config("llama", hidden_size=256, intermediate_size=512)` for group-size-128 quantization tests
 (`hidden_size` works for every family: GPT-2, GPT-J and GPT-BigCode map it to `n_embd`).
@@ -26,7 +26,7 @@ import transformers
 
 # Base families (one per modeling file), then the extra Falcon variants.
 BASE_FAMILIES = ("llama", "falcon", "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "mistral", "qwen2", "qwen3", "gemma2",
-                 "gemma3_text", "phi3", "mixtral", "qwen2_moe", "gpt_oss")
+                 "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 FAMILIES = BASE_FAMILIES + ("falcon_gqa", "falcon_alibi")
 
 VOCAB = 128
@@ -119,6 +119,12 @@ _CONFIGS = {
         dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=2,
              num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS, num_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    "qwen3_moe": (  # q/k norms, 4 experts top-2, no shared expert
+        "Qwen3MoeConfig",
+        dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=2,
+             head_dim=HIDDEN // HEADS, num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32),
     ),
     "gpt_oss": (  # attention sinks, alternating sliding-window (8) and full layers, a mixture of 4 experts
         "GptOssConfig",

@@ -52,6 +52,8 @@ MODELS: dict[str, ModelFacts] = {
     "mixtral": ModelFacts("MixtralForCausalLM", shared_input_projections=_LLAMA_PROJECTIONS[:1], ring_attention=True),
     "qwen2_moe": ModelFacts("Qwen2MoeForCausalLM", ring_attention=True, shared_input_projections=(
         _LLAMA_PROJECTIONS[0], ("shared_expert", ("gate_proj", "up_proj")))),
+    "qwen3_moe": ModelFacts("Qwen3MoeForCausalLM", shared_input_projections=_LLAMA_PROJECTIONS[:1],
+                            ring_attention=True),
     "falcon": ModelFacts("FalconForCausalLM", awq_activation=("act", "dense_h_to_4h"),
                          attention_class_table=("falcon", "FALCON_ATTENTION_CLASSES")),
     "gpt2": ModelFacts("GPT2LMHeadModel", ring_attention=True),
