@@ -178,8 +178,8 @@ def test_awq_does_not_fold_into_a_producer_that_feeds_other_modules():
 
 
 def test_moe_routers_and_unpackable_linears_stay_float(tmp_path, calibration_ids, caplog):
-    """Qwen2-MoE: the one-output shared-expert gate cannot pack and stays float, the fused experts (3-D weights, not
-    linears) are reported; the model saves and reloads through our loader. A router that is a linear stays float."""
+    """Qwen2-MoE: the one-output shared-expert gate cannot pack and stays float, the routed experts are quantized;
+    the model saves and reloads through our loader. A router that is a linear stays float."""
     from torch import nn
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
@@ -198,9 +198,9 @@ def test_moe_routers_and_unpackable_linears_stay_float(tmp_path, calibration_ids
     with caplog.at_level("INFO", logger="hf_fastpath.quantization.calibrate"):
         quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=w4, dtype=torch.float32)
     assert "model.layers.*.mlp.shared_expert_gate stays in 16 bits: 64 inputs x 1 outputs do not pack" in caplog.text
-    assert "mostly in Qwen2MoeExperts modules" in caplog.text
     gate = quantized.model.layers[0].mlp.shared_expert_gate
     assert type(gate) is nn.Linear and isinstance(quantized.model.layers[0].mlp.shared_expert.up_proj, W4A16Linear)
+    assert isinstance(quantized.model.layers[0].mlp.experts[3].down_proj, W4A16Linear)  # the routed experts too
     assert quantized.config.quantization_config.modules_to_not_convert == ["mlp.shared_expert_gate"]
     ids, _ = random_batch(2, 12)
     with torch.no_grad():
@@ -295,8 +295,10 @@ def test_tiny_model_quantizes_and_reloads(family, method, calibration_ids, tmp_p
     quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=config, dtype=torch.float32)
     layers = [m for m in quantized.modules() if isinstance(m, W4A16Linear)]
     kept = 2 if family == "qwen2_moe" else 0  # its one-output shared_expert_gate (one a layer) stays float
+    # fused mixture-of-experts weights (3-D) count one linear per expert and projection
+    experts = sum(3 * m.gate_up_proj.shape[0] for m in model.modules() if hasattr(m, "gate_up_proj"))
     assert len(layers) == len([m for m in model.modules() if m is not model.get_output_embeddings()
-                               and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]) - kept
+                               and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]) - kept + experts
     with torch.no_grad():
         q_logits = quantized(ids).logits
     rel = float((q_logits - fp_logits).norm() / fp_logits.norm())

@@ -127,10 +127,8 @@ def test_bad_checkpoint_tensor_is_named(corruption, tmp_path):
         load(tmp_path)
 
 
-def test_quantized_layers_the_model_stores_otherwise_are_an_error(tmp_path, caplog):
-    """Per-expert quantized linears (an older Mixtral GPTQ layout) cannot go into Transformers 5's fused 3-D experts:
-    a clear error instead of experts left random. A quantized layer nothing in the model takes only warns."""
-    model = tiny_model("mixtral")
+def test_quantized_layer_the_model_does_not_build_warns(tmp_path, caplog):
+    model = tiny_model("llama")
     write_quantized_checkpoint(model, tmp_path, QuantSpec("gptq"))
     file = tmp_path / "model.safetensors"
     tensors = load_file(str(file))
@@ -139,14 +137,45 @@ def test_quantized_layers_the_model_stores_otherwise_are_an_error(tmp_path, capl
     save_file({**tensors, **extra}, str(file), metadata={"format": "pt"})
     with caplog.at_level("WARNING"):
         load(tmp_path)
-    assert "1 quantized layer(s) of the checkpoint match no module of MixtralForCausalLM" in caplog.text
-    experts = {f"model.layers.0.mlp.experts.0.w1.{t}": v for t, v in extra.items()
-               for t in [t.rpartition(".")[2]]}
-    save_file({k: v for k, v in tensors.items() if ".mlp.experts." not in k} | experts, str(file),
-              metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.0\.w1'.*'model\.layers\.0\.mlp\.experts' "
-                                         r"\(MixtralExperts\).*fused 3-D weights.*HF_FASTPATH_GPTQ_BACKEND=gptqmodel"):
+    assert "1 quantized layer(s) of the checkpoint match no module of LlamaForCausalLM" in caplog.text
+
+
+def test_quantized_layer_where_the_model_keeps_other_weights_is_an_error(tmp_path):
+    """A quantized layer whose module holds its own weights another way (here: a norm) would stay random."""
+    model = tiny_model("llama")
+    write_quantized_checkpoint(model, tmp_path, QuantSpec("gptq"))
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    extra = {f"model.layers.0.input_layernorm.proj.{t}": tensors[f"model.layers.0.self_attn.q_proj.{t}"].clone()
+             for t in ("qweight", "qzeros", "scales", "g_idx")}
+    save_file({**tensors, **extra}, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.input_layernorm\.proj'.*'model\.layers\.0\."
+                                         r"input_layernorm' \(LlamaRMSNorm\) stores its weights another way"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize("family,method", [("mixtral", "gptq"), ("mixtral", "awq"), ("qwen3_moe", "gptq"),
+                                           ("gpt_oss", "gptq")])
+def test_per_expert_checkpoint_loads_into_fused_experts(family, method, tmp_path):
+    """A mixture of experts quantized one linear per expert (gptqmodel's and AutoAWQ's layout; Mixtral's under its
+    original `block_sparse_moe.experts.<e>.w1` names) loads onto W4A16 linears although Transformers 5 builds the
+    experts as fused 3-D weights, and computes what the checkpoint says."""
+    from hf_fastpath.integrations.moe_experts import UnfusedExperts, unfuse_experts
+
+    model = tiny_model(family)
+    unfuse_experts(model)
+    reference = write_quantized_checkpoint(model, tmp_path, QuantSpec(method))
+    if family == "mixtral":
+        file = tmp_path / "model.safetensors"
+        tensors = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in load_file(str(file)).items()}
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.qweight" in tensors
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    loaded = load(tmp_path)
+    experts = loaded.model.layers[1].mlp.experts
+    assert isinstance(experts, UnfusedExperts) and len(experts) == 4
+    assert all(isinstance(m, W4A16Linear) for e in experts for m in e.children())
+    ids, mask = random_batch()
+    torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
 
 
 def test_w4a16_config_quantizes_on_load_and_saves_standard_gptq(tmp_path):

@@ -39,6 +39,7 @@ from ..quantization.config import QUANT_METHOD, W4A16Config
 from ..quantization.awq import ScaledActivation
 from ..quantization.linear import W4A16Linear
 from .models import MODELS, facts_for
+from .moe_experts import is_fused_experts, unfuse_experts
 
 logger = logging.getLogger(__name__)
 
@@ -105,24 +106,42 @@ def _module_name_for(key_prefix: str, module_names: set[str], base_prefix: str) 
 
 def _check_unmatched(model: nn.Module, unmatched: list[str], modules: dict, base_prefix: str) -> None:
     """Quantized layers of the checkpoint that match no module: an error where they belong to a module that holds
-    weights of its own in another layout (per-expert linears of a mixture of experts that Transformers 5 fuses
-    into 3-D tensors): those weights would stay random. A warning where nothing in the model takes them (e.g. an
-    extra prediction layer the model does not build)."""
+    weights of its own in another layout (fused mixture-of-experts weights are split per expert before this check,
+    `_unfuse_quantized_experts`): those weights would stay random. A warning where nothing in the model takes them
+    (e.g. an extra prediction layer the model does not build)."""
     names = set(modules)
     for prefix in unmatched:
         parts = prefix.split(".")
         owner = next((name for n in range(len(parts) - 1, 0, -1)
                       if (name := _module_name_for(".".join(parts[:n]), names, base_prefix)) is not None), None)
         if owner is not None and any(True for _ in modules[owner].parameters(recurse=False)):
-            hint = (" Transformers 5 keeps this model's experts as fused 3-D weights; W4A16 does not load per-expert "
-                    "quantized layers into them. Load it with gptqmodel installed and HF_FASTPATH_GPTQ_BACKEND="
-                    "gptqmodel." if "expert" in prefix else "")
             raise ValueError(f"quantized layer '{prefix}' of the checkpoint has no linear in "
                              f"{type(model).__name__}: '{owner}' ({type(modules[owner]).__name__}) stores its weights "
-                             f"another way, so they would stay unloaded (random).{hint}")
+                             "another way, so they would stay unloaded (random).")
     if unmatched:
         logger.warning("%d quantized layer(s) of the checkpoint match no module of %s and stay unloaded, e.g. %s",
                        len(unmatched), type(model).__name__, unmatched[:3])
+
+
+def _renamed_keys(model: nn.Module, keys: set[str]) -> set[str]:
+    """Checkpoint keys under the model's module names: Transformers' renamings for this model applied (Mixtral's
+    `block_sparse_moe` -> `mlp`), as its loader applies them."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:  # a Transformers without conversion mappings loads keys as they are
+        return keys
+    renamings = [t for t in get_model_conversion_mapping(model, add_legacy=False) if isinstance(t, WeightRenaming)]
+    return {apply_renamings(k, renamings) for k in keys} if renamings else keys
+
+
+def _unfuse_quantized_experts(model: nn.Module, prefixes: list[str], base_prefix: str) -> list[str]:
+    """Fused experts modules (3-D weights) whose experts the checkpoint stores as quantized per-expert linears
+    (`...experts.<e>.<proj>`, as gptqmodel, AutoAWQ and `quantize_model` save them) become `UnfusedExperts`, whose
+    linears the checkpoint then fills."""
+    fused = {name for name, m in model.named_modules() if is_fused_experts(m)}
+    wanted = {name for p in prefixes if (name := _module_name_for(p.rsplit(".", 2)[0], fused, base_prefix))}
+    return unfuse_experts(model, skip=lambda name: name not in wanted) if wanted else []
 
 
 def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -166,7 +185,10 @@ def replace_for_checkpoint(model: nn.Module, config, checkpoint_keys: set[str] |
     modules = dict(model.named_modules())
     base_prefix = getattr(model, "base_model_prefix", "")
     if checkpoint_keys is not None:
+        checkpoint_keys = _renamed_keys(model, checkpoint_keys)
         prefixes = [k[: -len(".qweight")] for k in checkpoint_keys if k.endswith(".qweight")]
+        if _unfuse_quantized_experts(model, prefixes, base_prefix):
+            modules = dict(model.named_modules())
         matched = {p: _module_name_for(p, set(modules), base_prefix) for p in prefixes}
         unmatched = sorted(p for p, name in matched.items() if name is None)
         _check_unmatched(model, unmatched, modules, base_prefix)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_weight, scale_partner, set_linear_weight, set_submodule)
+from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_weight, routed_linears,
+                     scale_partner, set_linear_weight, set_submodule)
 from .formats import resolve_group_size
 from .rtn import fake_quantize_grouped, pad_columns
 
@@ -120,7 +121,9 @@ def _capture_group(block, inputs: BlockInputs, linears, group: InputGroup, inspe
                 pass
     for handle in handles:
         handle.remove()
-    return inspect, records, outputs, abs_sum / max(count, 1), torch.cat(xs)
+    if not xs:  # the first linear never ran (an expert no token was routed to)
+        return inspect, records, outputs, None, None
+    return inspect, records, outputs, abs_sum / count, torch.cat(xs)
 
 
 @torch.no_grad()
@@ -246,8 +249,14 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
     """
     search_inputs = _trim(inputs, settings.search_tokens)
     groups = input_groups(block, linears, inputs.hidden[0], inputs.kwargs[0])
+    routed = routed_linears(block)
     report = []
     for group in groups:
+        if group.names[0] in routed:
+            # an expert's input is a gather of its routed tokens: no producer to fold scales into (the up -> down
+            # fold would need the scales searched on each expert's tokens; AutoAWQ folds none either)
+            report.append(f"{'+'.join(group.names)}: routed expert, clip only")
+            continue
         producer, kind = group.producer, group.producer_kind
         if producer is None and len(group.names) == 1:
             partner = scale_partner(group.names[0], linears)
@@ -275,6 +284,8 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
             continue
         _, _, _, _, x = _capture_group(block, _trim(inputs, settings.clip_tokens * 4), linears, group,
                                        group.names[0])
+        if x is None:  # an expert no calibration token was routed to: plain rounding
+            continue
         for n in clip_names:
             w = linear_weight(linears[n]).detach().float()
             max_val = _search_clip(w, x, settings)

@@ -241,6 +241,9 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
                 received.setdefault(id(x), []).append(name_of[id(module)])
 
     received: dict[int, list[str]] = {}
+    experts = [m for m in block.modules() if getattr(m, "routes_tokens", False)]
+    for m in experts:  # every expert runs in this pass, also those no token of this batch is routed to
+        m.probe_every_expert = True
     for name, m in block.named_modules():
         if not name:
             continue
@@ -253,6 +256,8 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
     finally:
         for h in handles:
             h.remove()
+        for m in experts:
+            m.probe_every_expert = False
 
     groups: dict[int, InputGroup] = {}
     for key, name in order:
@@ -274,6 +279,20 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
                 group.producer, group.producer_kind = cand, kind
                 break
     return list(groups.values())
+
+
+def routed_linears(block: nn.Module) -> dict[str, str]:
+    """Linears of mixture-of-experts experts (inside a module with `routes_tokens`, e.g. `UnfusedExperts`), each
+    called on the tokens routed to its expert only: name -> the same name with the expert index as `*` (the
+    linears one role of every expert share, e.g. `mlp.experts.*.w1`)."""
+    out = {}
+    for name, module in block.named_modules():
+        if getattr(module, "routes_tokens", False):
+            for sub, linear in module.named_modules():
+                if sub and is_linear(linear):
+                    expert, _, leaf = sub.partition(".")
+                    out[f"{name}.{sub}" if name else sub] = f"{name}.*.{leaf}" if name else f"*.{leaf}"
+    return out
 
 
 # Producers that cannot be seen by tensor identity (the tensor goes through a reshape or a product first):

@@ -21,9 +21,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .blocks import (BlockInputs, StopForward, capture_block_inputs, find_decoder_layers, find_linears,
-                     input_groups, is_linear, linear_weight, reason_to_keep_in_float, run_block, set_linear_weight,
-                     set_submodule)
+from .blocks import (BlockInputs, InputGroup, StopForward, _matches, capture_block_inputs, find_decoder_layers,
+                     find_linears, input_groups, is_linear, linear_weight, reason_to_keep_in_float, routed_linears,
+                     run_block, set_linear_weight, set_submodule)
+from ..integrations.moe_experts import unfuse_experts
 from .config import W4A16Config
 from .formats import resolve_group_size
 from .gptq import GPTQ
@@ -91,6 +92,9 @@ def quantize_model(model: nn.Module, config, tokenizer=None, *, device=None, cal
     plan = _calibration_plan(s, model)
     start = time.perf_counter()
     layers_name, layers = find_decoder_layers(model)
+    # fused mixture-of-experts weights become per-expert linears, quantized like the others
+    unfuse_experts(layers, skip=lambda name: any(_matches(name.partition(".")[2], p) for p in plan.skip),
+                   model_type=getattr(getattr(model, "config", None), "model_type", None))
     dev = _default_device(model, device if device is not None else getattr(s, "device", None))
     results: dict[str, QuantizedWeight] = {}
     biases: dict[str, torch.Tensor | None] = {}
@@ -207,7 +211,8 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
     `reference`: GPTAQ's (float copy of the block, the float model's hidden states), whose linears' inputs each
     Hessian is paired with."""
     groups = input_groups(layer, linears, inputs.hidden[0], inputs.kwargs[0])
-    stages = [[g] for g in groups] if s.true_sequential else [groups]
+    routed = routed_linears(layer)
+    stages = _stages(groups, routed) if s.true_sequential else [groups]
     device = inputs.hidden[0].device
     float_linears = find_linears(reference[0], ()) if reference is not None else {}
     results = {}
@@ -216,7 +221,9 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
         accs = [GPTQ(linear_weight(linears[g.names[0]]).shape[1], device=device) for g in stage]
         pending: set[int] = set()
         float_inputs: dict[int, torch.Tensor] = {}
-        unpaired: set[int] = set()
+        # GPTAQ pairs each input row with the float model's: an expert's rows are the tokens routed to it, which
+        # differ between the two models, so experts get classic GPTQ
+        unpaired: set[int] = {j for j, g in enumerate(stage) if g.names[0] in routed}
 
         def make_hook(j, acc=None):  # acc None: the float copy's linear, whose input waits for the quantized one's
             def hook(module, args):
@@ -254,14 +261,19 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
         finally:
             for h in handles:
                 h.remove()
+        idle = []
         for acc, g in zip(accs, stage):
             # GPTQ treats output rows independently given H: one pass over the stacked weights of all linears that
             # share this input (q/k/v, gate/up) gives the same result as one pass each, with a third of the loops.
             weights = [linear_weight(linears[n]).detach() for n in g.names]
-            q, loss = acc.quantize(torch.cat(weights), bits=s.bits, group_size=s.group_size, sym=s.sym,
-                                   desc_act=s.desc_act, static_groups=s.static_groups, damp_percent=s.damp_percent,
-                                   gptaq_alpha=s.gptaq_alpha)
-            logger.debug("GPTQ %s: loss %.4g", "+".join(g.names), loss)
+            if acc.nsamples == 0 and g.names[0] in routed:  # an expert no calibration token was routed to
+                idle.append(g.names[0])
+                q = rtn_quantize(torch.cat(weights).to(device), s.bits, s.group_size, s.sym)
+            else:
+                q, loss = acc.quantize(torch.cat(weights), bits=s.bits, group_size=s.group_size, sym=s.sym,
+                                       desc_act=s.desc_act, static_groups=s.static_groups,
+                                       damp_percent=s.damp_percent, gptaq_alpha=s.gptaq_alpha)
+                logger.debug("GPTQ %s: loss %.4g", "+".join(g.names), loss)
             start = 0
             for name, w in zip(g.names, weights):
                 part = slice(start, start + w.shape[0])
@@ -271,8 +283,28 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
                                      group_size=q.group_size)
                 set_linear_weight(linears[name], qn.dequantize())
                 results[name] = qn
+        if idle:
+            logger.info("GPTQ: no calibration token reached %d expert linear(s) (e.g. %s): rounded to nearest",
+                        len(idle), idle[0])
         del accs
     return results
+
+
+def _stages(groups: list[InputGroup], routed: dict[str, str]) -> list[list[InputGroup]]:
+    """True-sequential GPTQ stages: one per input group, but one for a role of all experts together (every
+    expert's gate/up, then every expert's down): they do not feed each other, and a stage costs a pass over the
+    calibration data."""
+    stages, by_role = [], {}
+    for g in groups:
+        role = routed.get(g.names[0])
+        if role is None:
+            stages.append([g])
+        elif role in by_role:
+            by_role[role].append(g)
+        else:
+            by_role[role] = [g]
+            stages.append(by_role[role])
+    return stages
 
 
 def _replace_linears(model: nn.Module, results: dict[str, QuantizedWeight], biases, s: W4A16Config) -> None:

@@ -1,0 +1,161 @@
+"""Mixture-of-experts experts as per-expert linears, so that W4A16 quantizes them like any other linear.
+
+Transformers 5 stores a mixture of experts' weights as fused 3-D parameters (`experts.gate_up_proj [E, 2I, H]`,
+`experts.down_proj [E, H, I]`, transposed in some models) behind `@use_experts_implementation`; checkpoints and
+GPTQ / AWQ tools (gptqmodel, AutoAWQ) keep one linear per expert and projection. `unfuse_experts` turns each fused
+module into `UnfusedExperts`: a ModuleList of experts, each holding its gate / up / down linears under the names of
+the model's own checkpoints (Transformers' conversion mapping: Mixtral's `w1` / `w3` / `w2`, Qwen-MoE's
+`gate_proj` / `up_proj` / `down_proj`). GPTQ then sees each expert's linear called on exactly the tokens routed to
+it, and a quantized model saves and loads under the per-expert names those tools use.
+
+The forward routes as Transformers' eager experts do: one call per expert that received tokens, gathered rows,
+routing weights applied, results summed per token in fp32 (as its grouped_mm path does). The gate's activation is
+the fused module's own `_apply_gate` (gpt-oss's clamped, interleaved SwiGLU included); the fused module, its 3-D
+weights removed, is kept for that.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
+_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+_BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A Transformers experts module whose weights are 3-D parameters: `(gate_)up_proj` and `down_proj`."""
+    params = module._parameters
+    up = params.get("gate_up_proj", params.get("up_proj"))
+    down = params.get("down_proj")
+    return up is not None and down is not None and up.dim() == 3 and down.dim() == 3
+
+
+def expert_linear_names(model_type: str | None) -> tuple[str, str, str]:
+    """(gate, up, down) names of one expert's linears in the checkpoints of `model_type`, read from Transformers'
+    conversion mapping (the converters that merge `experts.*.<name>.weight` into the fused tensors)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return DEFAULT_NAMES
+    names = dict(zip(("gate", "up", "down"), DEFAULT_NAMES))
+    for conversion in (get_checkpoint_conversion_mapping(model_type) if model_type else None) or ():
+        sources = [s for s in getattr(conversion, "source_patterns", ()) if ".experts.*." in f".{s}"]
+        targets = getattr(conversion, "target_patterns", ())
+        if not sources or not targets:
+            continue
+        leaves = [s.split("experts.*.")[1].rpartition(".weight")[0] for s in sources]
+        if targets[0].endswith("experts.gate_up_proj") and len(leaves) == 2:
+            names["gate"], names["up"] = leaves
+        elif targets[0].endswith("experts.up_proj") and len(leaves) == 1:
+            names["up"] = leaves[0]
+        elif targets[0].endswith("experts.down_proj") and len(leaves) == 1:
+            names["down"] = leaves[0]
+    return names["gate"], names["up"], names["down"]
+
+
+class UnfusedExperts(nn.ModuleList):
+    """The experts of one mixture-of-experts layer as one module per expert with plain linears; called like the
+    fused module it replaces: `(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`."""
+
+    # quantization/blocks.py: calibration treats these linears as routed (each sees only its own tokens), and
+    # sets probe_every_expert for the one pass that finds which linears share an input
+    routes_tokens = True
+    probe_every_expert = False
+
+    def __init__(self, fused: nn.Module, names: tuple[str, str, str] = DEFAULT_NAMES, *, device=None):
+        has_gate = "gate_up_proj" in fused._parameters
+        names = dict(zip(("gate", "up", "down"), names))
+        up, down = fused._parameters["gate_up_proj" if has_gate else "up_proj"], fused._parameters["down_proj"]
+        transposed = bool(getattr(fused, "is_transposed", False))  # [E, in, out] instead of nn.Linear's [E, out, in]
+        concatenated = bool(getattr(fused, "is_concatenated", True))  # [gate; up], else interleaved rows
+        up_bias = fused._parameters.get("gate_up_proj_bias" if has_gate else "up_proj_bias")
+        down_bias = fused._parameters.get("down_proj_bias")
+        device = up.device if device is None else device
+        experts = []
+        for e in range(up.shape[0]):
+            w_up, w_down = (up[e].t(), down[e].t()) if transposed else (up[e], down[e])
+            b_up = None if up_bias is None else up_bias[e]
+            expert = nn.Module()
+            if has_gate:
+                rows = (slice(0, w_up.shape[0] // 2), slice(w_up.shape[0] // 2, None)) if concatenated \
+                    else (slice(0, None, 2), slice(1, None, 2))
+                for role, part in zip(("gate", "up"), rows):
+                    setattr(expert, names[role], _linear(w_up[part], None if b_up is None else b_up[part], device))
+            else:
+                setattr(expert, names["up"], _linear(w_up, b_up, device))
+            setattr(expert, names["down"], _linear(w_down, None if down_bias is None else down_bias[e], device))
+            experts.append(expert)
+        super().__init__(experts)
+        self.has_gate, self.names, self.concatenated = has_gate, names, concatenated
+        for name in _WEIGHTS + _BIASES:  # the fused module keeps only what its _apply_gate / act_fn use
+            fused._parameters.pop(name, None)
+        # not a child: it holds no weights any more, and its name must not appear in the state dict
+        object.__setattr__(self, "_fused", fused)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        expert = self[e]
+        up = getattr(expert, self.names["up"])(x)
+        if self.has_gate:
+            gate = getattr(expert, self.names["gate"])(x)
+            both = torch.cat((gate, up), -1) if self.concatenated else torch.stack((gate, up), -1).flatten(-2)
+            h = self._fused._apply_gate(both)
+        else:
+            h = self._fused.act_fn(up)
+        return getattr(expert, self.names["down"])(h)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        with torch.no_grad():
+            # a column per expert, plus one for the sentinel index E (experts held by another rank)
+            routed = F.one_hot(top_k_index.clamp(max=len(self)), num_classes=len(self) + 1)[..., :-1]
+            hit = routed.sum(dim=(0, 1)).nonzero().flatten().tolist()
+        for e in hit:
+            token, slot = torch.where(routed[..., e])
+            y = self._expert(e, hidden_states[token])
+            out.index_add_(0, token, y.float() * top_k_weights[token, slot, None].float())
+        if self.probe_every_expert:  # one token through each idle expert (own tensor: each expert its own input)
+            for e in sorted(set(range(len(self))) - set(hit)):
+                self._expert(e, hidden_states[:1].clone())
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"fused={type(self._fused).__name__}, names={tuple(self.names.values())}"
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, device) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight.detach().to(device).contiguous(), requires_grad=weight.requires_grad)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().to(device).contiguous(), requires_grad=bias.requires_grad)
+    return layer
+
+
+def unfuse_experts(model: nn.Module, skip=None, model_type: str | None = None) -> list[str]:
+    """Replace every fused experts module of `model` (but those whose name `skip(name)` is true) by
+    `UnfusedExperts`: weights moved, the fused 3-D tensors freed. Returns the replaced modules' names. Works on meta
+    models too (checkpoint loading). `model_type` (default: `model.config`'s) names the per-expert linears."""
+    if model_type is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+    names = expert_linear_names(model_type)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if not is_fused_experts(module) or (skip is not None and skip(name)):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, UnfusedExperts(module, names))
+        replaced.append(name)
+    if replaced:
+        logger.info("%d fused experts modules split into per-expert linears (%s / %s / %s)", len(replaced), *names)
+    return replaced
