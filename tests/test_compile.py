@@ -217,3 +217,27 @@ def test_dispatch_to_sdpa_compiles_once(monkeypatch):
             torch.testing.assert_close(got, model(ids, use_cache=False).logits, atol=2e-2, rtol=2e-2)
     assert backend.graphs == 1 and calls  # traced through SDPA once, no recompilation
     backends.clear_choices()
+
+
+def test_w4a16_mixture_of_experts_static_cache_generate_compiles_once():
+    """W4A16 experts (all experts of a projection in one launch, a fixed-size tile table: no host sync) decode in
+    one graph too."""
+    from hf_fastpath.quantization import W4A16Config, w4a16_backend
+    from hf_fastpath.quantization.calibrate import quantize_model
+
+    model = tiny_model("qwen3_moe", "fastpath", dtype=torch.float16)
+    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
+    ids, mask = random_batch(2, 5, left_pad=(0, 1), seed=5)
+    backend = CountingBackend()
+    config = transformers.CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_logits=True, cache_implementation="static")
+    with w4a16_backend("kernel"):
+        got = model.generate(ids, compile_config=config, **kw)
+        assert model.model.layers[0].mlp.experts._stacks[2] is not None  # the grouped launch ran
+        want = model.generate(ids, disable_compile=True, **kw)
+    assert backend.graphs == 1
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)

@@ -105,9 +105,9 @@ class UnfusedExperts(nn.ModuleList):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         expert = self[e]
+        gate = getattr(expert, self.names["gate"])(x) if self.has_gate else None
         up = getattr(expert, self.names["up"])(x)
         if self.has_gate:
-            gate = getattr(expert, self.names["gate"])(x)
             both = torch.cat((gate, up), -1) if self.concatenated else torch.stack((gate, up), -1).flatten(-2)
             h = self._fused._apply_gate(both)
         else:
@@ -115,6 +115,15 @@ class UnfusedExperts(nn.ModuleList):
         return getattr(expert, self.names["down"])(h)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        stacks = None
+        if not (torch.is_grad_enabled() and hidden_states.requires_grad) and not self.probe_every_expert:
+            stacks = self._w4a16_stacks(hidden_states)
+        if stacks is not None:
+            return self._grouped_forward(stacks, hidden_states, top_k_index, top_k_weights)
+        return self._routed_forward(hidden_states, top_k_index, top_k_weights)
+
+    def _routed_forward(self, hidden_states, top_k_index, top_k_weights):
+        """One call per expert that received tokens (any linears; training; the reference for the grouped path)."""
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         with torch.no_grad():
             # a column per expert, plus one for the sentinel index E (experts held by another rank)
@@ -128,6 +137,74 @@ class UnfusedExperts(nn.ModuleList):
             for e in sorted(set(range(len(self))) - set(hit)):
                 self._expert(e, hidden_states[:1].clone())
         return out.to(hidden_states.dtype)
+
+    def _w4a16_stacks(self, x: torch.Tensor):
+        """Each projection of all experts as one stack for the grouped W4A16 kernel, or None where it does not run
+        (float or PEFT-wrapped linears, act-order, activations the kernels do not take). Built once (eagerly) and
+        rebuilt when the layers' tensors were replaced (`model.to(...)`)."""
+        from ..quantization.linear import W4A16Linear
+
+        first = getattr(self[0], self.names["up"])
+        if type(first) is not W4A16Linear or x.dtype not in (torch.float16, torch.bfloat16) or \
+                not first._use_kernel(x.reshape(-1, x.shape[-1])):
+            return None
+        cached = self.__dict__.get("_stacks")
+        if torch.compiler.is_compiling():  # built by an eager call before (generate's prefill, a warm-up)
+            return cached[2] if cached is not None and cached[1] == x.dtype else None
+        if cached is not None and cached[0] is first._buffers["qweight"] and cached[1] == x.dtype:
+            return cached[2]
+        from ..quantization.fusion import stack_experts
+
+        roles = ("gate", "up", "down") if self.has_gate else ("up", "down")
+        stacks = {role: stack_experts([getattr(e, self.names[role]) for e in self]) for role in roles}
+        if any(v is None for v in stacks.values()):
+            stacks = None
+        else:  # the kernel takes scales / zeros in the activations' dtype
+            for v in stacks.values():
+                v["scales"], v["zeros"] = v["scales"].to(x.dtype), v["zeros"].to(x.dtype)
+                v["group_size"] = first._effective_group_size
+        self.__dict__["_stacks"] = (first._buffers["qweight"], x.dtype, stacks)
+        return stacks
+
+    def _grouped_forward(self, stacks, hidden_states, top_k_index, top_k_weights):
+        """All experts in one W4A16 launch per projection: rows sorted by expert, a fixed-size tile table (no host
+        sync, so CUDA graphs and torch.compile fullgraph hold), results put back in token order and summed over
+        the top-k in fp32 (deterministic: no atomics)."""
+        from ..kernels import w4a16_ops
+        from ..quantization.linear import _kernels
+
+        kernels = _kernels()
+        tokens, top_k = top_k_index.shape
+        experts = len(self)
+        expert_of_row, order = torch.sort(top_k_index.reshape(-1), stable=True)
+        x = hidden_states[order // top_k].contiguous()
+        rows = x.shape[0]
+        offsets = torch.searchsorted(expert_of_row, torch.arange(experts + 1, device=x.device))
+        per_expert = -(-rows // min(experts, rows))
+        tables = {}
+
+        def project(role, inputs):
+            w = stacks[role]
+            k, n = inputs.shape[1], w["qweight"].shape[2]
+            block_m = kernels.w4a16_expert_block_m(per_expert, k, n, w["group_size"])
+            if block_m not in tables:
+                tables[block_m] = kernels.w4a16_expert_tiles(offsets, rows, block_m)
+            args = (inputs, w["qweight"], w["scales"], w["zeros"], w["group_size"], tables[block_m], per_expert)
+            y = w4a16_ops.w4a16_experts_op(*args) if torch.compiler.is_compiling() else \
+                kernels.w4a16_experts_matmul_rows(*args)
+            return y if w["bias"] is None else y + w["bias"][expert_of_row].to(y.dtype)
+
+        up = project("up", x)
+        if self.has_gate:
+            gate = project("gate", x)
+            both = torch.cat((gate, up), -1) if self.concatenated else torch.stack((gate, up), -1).flatten(-2)
+            h = self._fused._apply_gate(both)
+        else:
+            h = self._fused.act_fn(up)
+        y = project("down", h.contiguous()).float() * top_k_weights.reshape(-1)[order, None].float()
+        in_token_order = torch.empty_like(y)
+        in_token_order[order] = y
+        return in_token_order.view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return f"fused={type(self._fused).__name__}, names={tuple(self.names.values())}"

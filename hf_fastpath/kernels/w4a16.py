@@ -61,7 +61,8 @@ from .launch import COMPILE_OPTIONS, LaunchCache
 from .w4a16_layout import k_tile_order, w4a16_pack, w4a16_unpack  # noqa: F401  (re-exported: the public API)
 
 __all__ = ["w4a16_matmul", "w4a16_matmul_rows", "w4a16_matmul_concat", "w4a16_matmul_concat_rows",
-           "w4a16_back_to_back", "w4a16_segment_columns", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack",
+           "w4a16_back_to_back", "w4a16_segment_columns", "w4a16_experts_matmul_rows", "w4a16_expert_tiles",
+           "w4a16_expert_block_m", "expert_tile_count", "w4a16_matmul_grad_input", "w4a16_dequantize", "w4a16_pack",
            "w4a16_unpack", "k_tile_order"]
 
 logger = logging.getLogger(__name__)
@@ -340,9 +341,10 @@ MODES = {"factored": 0, "centered": 1, "dequant": 2, "grouped": 3}
 def _decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, group_size, tiles_per_split, n_splits, seg1, seg2,
+    tiles_ptr, expert_words, expert_groups,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, PLANE_GROUPS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, USE_PTX: tl.constexpr, FP32_DOT: tl.constexpr,
-    SEGMENTED: tl.constexpr,
+    SEGMENTED: tl.constexpr, EXPERTS: tl.constexpr,
 ):
     """out^T[n, m] = sum_k W[k, n] x[m, k] for one [BLOCK_N, BLOCK_M] tile and one K split.
 
@@ -360,7 +362,12 @@ def _decode_kernel(
     SEGMENTED: W is up to three weights side by side along N (columns [0, seg1), [seg1, seg2), [seg2, N)), each
     stored in its own [K // 8, N_j] layout, the three back to back in memory from qw_ptr (scales and zeros from
     s_ptr / z_ptr likewise): layers that share their input (q/k/v, gate/up) in one launch. Every segment is a
-    multiple of BLOCK_N columns, so a program's columns lie in one segment."""
+    multiple of BLOCK_N columns, so a program's columns lie in one segment.
+
+    EXPERTS: one weight per expert of a mixture of experts, expert e's at qw_ptr + e * expert_words (scales and
+    zeros at e * expert_groups), and x's rows sorted by expert. Row tile pid_m is entry pid_m of the int32 table
+    tiles [T, 3] = (expert, first row, end row): at most BLOCK_M rows, all routed to one expert; an empty entry
+    (first row == end row) computes nothing (`w4a16_expert_tiles`)."""
     # Row tiles vary fastest: the programs that share a weight tile run side by side, so all but the first read
     # it from L2 instead of HBM.
     pid_m = tl.program_id(0)
@@ -369,10 +376,19 @@ def _decode_kernel(
     dtype = x_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_end = M
+    if EXPERTS:
+        expert = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        row_start = tl.load(tiles_ptr + 3 * pid_m + 1)
+        row_end = tl.load(tiles_ptr + 3 * pid_m + 2)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        qw_ptr += expert * expert_words
+        s_ptr += expert * expert_groups
+        z_ptr += expert * expert_groups
     offs_i = tl.arange(0, 16)
     offs_c = tl.arange(0, 128)
     n_mask = offs_n < N
-    m_mask = offs_m < M
+    m_mask = offs_m < row_end
     # Out-of-range rows/columns read clamped (valid) addresses instead of masking every load; their results are
     # dropped by the masked store. Only a ragged K tail must be zeroed (in x), which EVEN_K rules out. When N is a
     # multiple of BLOCK_N nothing is clamped: the clamp would hide the columns' contiguity from Triton, which then
@@ -392,10 +408,13 @@ def _decode_kernel(
         z_ptr += seg_lo * (K // group_size)
         n_safe -= seg_lo
         cols -= seg_lo
-    m_safe = tl.minimum(offs_m, M - 1)
+    m_safe = tl.minimum(offs_m, row_end - 1)
     n_words = K // 8
     kt_start = pid_k * tiles_per_split
     kt_end = tl.minimum(kt_start + tiles_per_split, tl.cdiv(K, 128))
+    if EXPERTS:  # an empty table entry: no rows to read (its expert 0 and row 0 keep every address valid)
+        m_safe = tl.maximum(m_safe, 0)
+        kt_end = tl.where(row_start < row_end, kt_end, kt_start)
     xt_ptrs = x_ptr + m_safe[None, :] * stride_xm
     # The tile's scales/zeros (2-byte values spread thinly over the threads: too narrow for the cp.async pipeline)
     # are loaded one iteration ahead by hand so that their latency overlaps the current tile.
@@ -778,7 +797,7 @@ def _plane_groups(group_size: int, k: int) -> bool:
 
 
 def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret: bool, use_ptx: bool,
-                 segmented: bool = False, cfg=None, split_k=None):
+                 segmented: bool = False, row_groups: int = 1, cfg=None, split_k=None):
     """(grid, tiles_per_split, n_splits, output tiles, constexprs and launch options) of the fused forward: pure
     host arithmetic, cached for the default configs (`_default_decode_plan`) because decoding launches the same few
     shapes thousands of times and its host time per call shows."""
@@ -788,14 +807,15 @@ def _decode_plan(m: int, k: int, n: int, group_size: int, n_sms: int, interpret:
     n_tiles = cdiv(n, cfg["BLOCK_N"])
     m_tiles = cdiv(m, cfg["BLOCK_M"])
     k_steps = cdiv(k, _BLOCK_K)
-    if split_k is None:
-        split_k = _splits(n_tiles * m_tiles, k_steps, n_sms, min_steps=1, per_sm=cfg.get("per_sm", 1))
+    if split_k is None:  # row_groups: experts that get (about) m rows each
+        split_k = _splits(n_tiles * m_tiles * row_groups, k_steps, n_sms, min_steps=1, per_sm=cfg.get("per_sm", 1))
     per_split = cdiv(k_steps, split_k)
     split_k = cdiv(k_steps, per_split)
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 MODE=MODES[cfg["mode"]] if tile_groups else MODES["grouped"], PLANE_GROUPS=plane_groups,
                 EVEN_K=k % _BLOCK_K == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, SPLIT=split_k > 1, USE_PTX=use_ptx,
-                FP32_DOT=interpret, SEGMENTED=segmented, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                FP32_DOT=interpret, SEGMENTED=segmented, EXPERTS=False, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
     return (m_tiles, split_k, n_tiles), per_split, split_k, n_tiles * m_tiles, meta
 
 
@@ -804,27 +824,39 @@ _DECODE_LAUNCH = LaunchCache(_decode_kernel)
 
 
 def _decode_matmul(x2, qweight, scales, zeros, group_size, out, cfg=None, split_k=None, cache_workspace=True,
-                   segments=None):
+                   segments=None, experts=None):
     """out = x2 @ W; segments=(seg1, seg2): W is out.shape[1] columns of weights stored back to back from qweight,
-    scales and zeros (the kernel's SEGMENTED mode)."""
+    scales and zeros (the kernel's SEGMENTED mode); experts=(tiles, rows per expert): qweight / scales / zeros are
+    [E, ...] stacks, one weight per expert, x2's rows sorted by expert (EXPERTS mode)."""
     m, k = x2.shape
     n = out.shape[1]
     device = x2.device
     seg1, seg2 = segments or (n, n)
-    plan_args = (m, k, n, group_size, _num_sms(device), interpreting(), _use_ptx(device, x2.dtype),
-                 segments is not None)
+    plan_m = m if experts is None else experts[1]
+    row_groups = 1 if experts is None else max(1, min(qweight.shape[0], m // max(plan_m, 1)))
+    plan_args = (plan_m, k, n, group_size, _num_sms(device), interpreting(), _use_ptx(device, x2.dtype),
+                 segments is not None, row_groups)
     custom = cfg is not None or split_k is not None
     grid, per_split, split_k, tiles, meta = (_decode_plan(*plan_args, cfg, split_k) if custom
                                              else _default_decode_plan(*plan_args))
+    table, expert_words, expert_groups = out, 0, 0  # unused without experts
+    if experts is not None:
+        table = experts[0]
+        if table.shape[0] != expert_tile_count(m, qweight.shape[0], plan_m, meta["BLOCK_M"]):
+            raise ValueError("w4a16 experts: the tile table was built for another row tile (w4a16_expert_tiles)")
+        grid = (table.shape[0], *grid[1:])
+        tiles = table.shape[0] * grid[2]
+        expert_words, expert_groups = qweight.stride(0), scales.stride(0)
+        meta = {**meta, "EXPERTS": True}
     ws = count = out  # unused without split-K
     if split_k > 1:
         ws, count = _split_workspace(device, (m - 1) * out.stride(0) + n, tiles, cache_workspace)
     args = (x2, qweight, scales, zeros, out, ws, count, m, n, k, x2.stride(0), out.stride(0), group_size, per_split,
-            split_k, seg1, seg2)
+            split_k, seg1, seg2, table, expert_words, expert_groups)
     if custom:
         _decode_kernel[grid](*args, **meta, **COMPILE_OPTIONS)
     else:  # plan_args determine meta
-        _DECODE_LAUNCH.launch(grid, args, meta, plan_args)
+        _DECODE_LAUNCH.launch(grid, args, meta, (plan_args, experts is not None))
     return out
 
 
@@ -1011,6 +1043,53 @@ def w4a16_matmul_concat_rows(x2: torch.Tensor, parts, group_size: int, *, cache_
             return y
     out = torch.empty((x2.shape[0], sum(ns)), device=x2.device, dtype=x2.dtype)
     _decode_matmul(x2, *parts[0], group_size, out, cache_workspace=cache_workspace, segments=segments)
+    return out
+
+
+def w4a16_expert_block_m(rows_per_expert: int, k: int, n: int, group_size: int) -> int:
+    """The row tile `w4a16_experts_matmul_rows` runs a [E, K, N] stack with when experts get about
+    `rows_per_expert` rows each: the tile table (`w4a16_expert_tiles`) must be built for it."""
+    return _decode_config(rows_per_expert, k, n, interpreting(), _tile_groups(group_size, k),
+                          _plane_groups(group_size, k))["BLOCK_M"]
+
+
+def expert_tile_count(rows: int, experts: int, rows_per_expert: int, block_m: int) -> int:
+    """Entries of the tile table: every expert's last tile may be partial, and at most min(E, rows) experts have
+    rows (a fixed count: no host sync, and a CUDA graph replays any routing)."""
+    return cdiv(rows, block_m) + min(experts, rows)
+
+
+def w4a16_expert_tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
+    """int32 [T, 3] (expert, first row, end row) tiles of `block_m` rows over rows sorted by expert, expert e's rows
+    being [offsets[e], offsets[e + 1]); T = `expert_tile_count`, the unused entries empty (0, 0, 0). Torch ops
+    only, no host sync: one table serves every launch of a forward that uses this row tile."""
+    experts = offsets.shape[0] - 1
+    counts = offsets[1:] - offsets[:-1]
+    per_expert = (counts + block_m - 1) // block_m
+    last = torch.cumsum(per_expert, 0)  # one past each expert's last tile
+    t = torch.arange(cdiv(rows, block_m) + min(experts, rows), device=offsets.device)
+    expert = torch.searchsorted(last, t, right=True)
+    valid = expert < experts
+    e = expert.clamp(max=experts - 1)
+    start = offsets[:-1][e] + (t - (last[e] - per_expert[e])) * block_m
+    end = torch.minimum(start + block_m, offsets[1:][e])
+    return torch.stack([e, start, end], 1).masked_fill(~valid[:, None], 0).to(torch.int32)
+
+
+@on_input_device
+def w4a16_experts_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                              group_size: int, tiles: torch.Tensor, rows_per_expert: int, *,
+                              cache_workspace: bool = True) -> torch.Tensor:
+    """One launch for a mixture of experts' weights: row r of x2 [R, K] (rows sorted by expert) times the weight of
+    its expert. qweight [E, K / 8, N], scales / zeros [E, G, N]: each expert's weight in `w4a16_matmul`'s layout,
+    stacked (views of back-to-back storage are fine: only unit strides inside an expert are needed); tiles from
+    `w4a16_expert_tiles` with `w4a16_expert_block_m(rows_per_expert, ...)`. Returns [R, N]; rows of no tile
+    (routed to no expert) are left unwritten."""
+    n = qweight.shape[2]
+    out = torch.empty((x2.shape[0], n), device=x2.device, dtype=x2.dtype)
+    if x2.shape[0] > 0 and n > 0:
+        _decode_matmul(x2, qweight, scales, zeros, group_size, out, cache_workspace=cache_workspace,
+                       experts=(tiles, rows_per_expert))
     return out
 
 

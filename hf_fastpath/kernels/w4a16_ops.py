@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["w4a16_matmul_op", "w4a16_grad_input_op", "w4a16_concat_op"]
+__all__ = ["w4a16_matmul_op", "w4a16_grad_input_op", "w4a16_concat_op", "w4a16_experts_op"]
 
 
 def _kernels():
@@ -54,6 +54,18 @@ def w4a16_concat_op(x: torch.Tensor, qweights: list[torch.Tensor], scales: list[
 @w4a16_concat_op.register_fake
 def _(x, qweights, scales, zeros, group_size):
     return x.new_empty(x.shape[0], sum(q.shape[1] for q in qweights))
+
+
+@torch.library.custom_op("hf_fastpath::w4a16_experts_matmul", mutates_args=())
+def w4a16_experts_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int, tiles: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
+    return _kernels().w4a16_experts_matmul_rows(x, qweight, scales, zeros, group_size, tiles, rows_per_expert,
+                                                cache_workspace=False)
+
+
+@w4a16_experts_op.register_fake
+def _(x, qweight, scales, zeros, group_size, tiles, rows_per_expert):
+    return x.new_empty(x.shape[0], qweight.shape[2])
 
 
 def _op_setup_context(ctx, inputs, output):

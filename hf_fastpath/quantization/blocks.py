@@ -82,10 +82,11 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The ModuleList of repeated decoder blocks: the longest ModuleList whose children share one class."""
+    """The ModuleList of repeated decoder blocks: the longest ModuleList whose children share one class (not a
+    mixture of experts' list of experts, which can be longer)."""
     best = None
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and not getattr(module, "routes_tokens", False):
             kinds = {type(m) for m in module}
             if len(kinds) == 1 and any(is_linear(m) for m in module[0].modules()):
                 if best is None or len(module) > len(best[1]):

@@ -30,7 +30,7 @@ from .linear import W4A16Linear, _kernels
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fuse_siblings", "ConcatForward", "fuse_groups"]
+__all__ = ["fuse_siblings", "ConcatForward", "fuse_groups", "stack_experts"]
 
 _GROUP_ATTR = "_hf_fastpath_shared_input"  # on a parent: its _SharedInputGroup
 
@@ -66,6 +66,44 @@ def fuse_siblings(layers) -> bool:
     if not kernels.w4a16_back_to_back([(m.qweight, m.scales, m.zeros) for m in layers]):
         raise RuntimeError("fuse_siblings: the re-stored layers are not back to back (a bug)")
     return True
+
+
+def stack_experts(layers) -> dict[str, torch.Tensor] | None:
+    """One projection of every expert of a mixture of experts (E loaded 4-bit `W4A16Linear` layers of one shape) as
+    stacks for `w4a16_experts_matmul_rows`: {"qweight": [E, K / 8, N], "scales" / "zeros": [E, G, N], "bias": [E, N]
+    or None}, views of one allocation per tensor kind. Layers not stored back to back yet are re-stored so first
+    (each keeps its own tensors, now views: state_dict, saving and PEFT see nothing new). None where one launch
+    cannot serve them (other bits or shapes, act-order, meta tensors, dtypes or devices that differ)."""
+    kernels = _kernels()
+    first = layers[0] if layers else None
+    if kernels is None or not layers or not all(type(m) is W4A16Linear for m in layers):
+        return None
+    has_bias = first._parameters["bias"] is not None
+    for m in layers:
+        if (m._staging is not None or m.bits != 4 or m.perm is not None or m.qweight.is_meta
+                or (m.in_features, m.out_features) != (first.in_features, first.out_features)
+                or m._effective_group_size != first._effective_group_size
+                or (m._parameters["bias"] is not None) != has_bias
+                or any(m._buffers[t].dtype != first._buffers[t].dtype
+                       or m._buffers[t].device != first._buffers[t].device for t in ("qweight", "scales", "zeros"))):
+            return None
+    stacks = {}
+    for name, table in (("qweight", "_buffers"), ("scales", "_buffers"), ("zeros", "_buffers"),
+                        ("bias", "_parameters")):
+        if name == "bias" and not has_bias:
+            stacks[name] = None
+            continue
+        tensors = [getattr(m, table)[name] for m in layers]
+        t0, size = tensors[0], tensors[0].numel()
+        if not all(t.is_contiguous() and t.data_ptr() == t0.data_ptr() + i * size * t0.element_size()
+                   for i, t in enumerate(tensors)):
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            for i, (m, t) in enumerate(zip(layers, tensors)):
+                view = flat[i * size:(i + 1) * size].view(t.shape)
+                getattr(m, table)[name] = nn.Parameter(view, t.requires_grad) if name == "bias" else view
+            t0 = getattr(first, table)[name]
+        stacks[name] = t0.detach().as_strided((len(layers), *t0.shape), (size, *t0.stride()), t0.storage_offset())
+    return stacks
 
 
 class ConcatForward:

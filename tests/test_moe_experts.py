@@ -1,0 +1,116 @@
+"""Mixture-of-experts experts as per-expert linears (`integrations.moe_experts`): the same model as Transformers'
+fused experts, quantized per expert by GPTQ / AWQ / RTN, and all experts of a projection in one W4A16 launch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hf_fastpath.integrations.moe_experts import UnfusedExperts, expert_linear_names, unfuse_experts
+from hf_fastpath.quantization import W4A16Config, w4a16_backend
+from hf_fastpath.quantization.calibrate import _stages, quantize_model
+from hf_fastpath.quantization.blocks import InputGroup
+from hf_fastpath.quantization.linear import W4A16Linear
+from models import random_batch, tiny_model
+
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+# (gate, up, down): Mixtral's checkpoints name them w1 / w3 / w2; gpt-oss's (fused on the Hub) take the defaults
+NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+         "qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "gpt_oss": ("gate_proj", "up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_unfused_experts_compute_what_the_fused_ones_do(family):
+    """Logits and gradients equal to the fused model's (gpt-oss: interleaved gate/up, biases, transposed weights)."""
+    fused = tiny_model(family)
+    model = tiny_model(family)
+    assert expert_linear_names(model.config.model_type) == NAMES[family]
+    assert len(unfuse_experts(model)) == model.config.num_hidden_layers
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, UnfusedExperts) and len(experts) == 4
+    gate, up, down = NAMES[family]
+    assert {f"model.layers.1.mlp.experts.3.{n}.weight" for n in (gate, up, down)} <= set(model.state_dict())
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in model.state_dict())
+    ids, mask = random_batch(2, 12, left_pad=(3,))
+    for m in (fused, model):
+        m.train()
+        m(ids, attention_mask=mask, labels=ids).loss.backward()
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, fused(ids, attention_mask=mask).logits,
+                               rtol=1e-5, atol=1e-5)
+    fused_gate_up = fused.model.layers[1].mlp.experts.gate_up_proj.grad[2]
+    if family == "gpt_oss":  # [in, 2 * out], gate and up interleaved
+        fused_gate = fused_gate_up[:, ::2].t()
+    else:  # [2 * out, in], gate first
+        fused_gate = fused_gate_up[: fused_gate_up.shape[0] // 2]
+    torch.testing.assert_close(getattr(experts[2], gate).weight.grad, fused_gate, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model.model.embed_tokens.weight.grad, fused.model.embed_tokens.weight.grad,
+                               rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_w4a16_experts_match_one_call_per_expert(family):
+    """The grouped launch (rows sorted by expert, a tile table) against each expert's own W4A16 layer, prefill and
+    one-token decode, in the model."""
+    model = tiny_model(family, dtype=torch.bfloat16)
+    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32))
+    experts = model.model.layers[0].mlp.experts
+    assert all(isinstance(linear, W4A16Linear) for expert in experts for linear in expert.children())
+    ids, mask = random_batch(2, 12, left_pad=(3,))
+    with torch.no_grad(), w4a16_backend("kernel"):
+        for batch in ((ids, mask), (ids[:, :1], None)):
+            got = model(batch[0], attention_mask=batch[1]).logits.float()
+            assert experts._stacks[2] is not None  # the grouped path ran
+            per_expert = experts._routed_forward
+            experts.forward = per_expert  # one W4A16 call per expert instead
+            try:
+                want = model(batch[0], attention_mask=batch[1]).logits.float()
+            finally:
+                del experts.forward
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_true_sequential_gptq_takes_one_stage_per_expert_role():
+    groups = [InputGroup(["self_attn.q_proj", "self_attn.k_proj"]), InputGroup(["self_attn.o_proj"]),
+              *[g for e in range(3) for g in (InputGroup([f"mlp.experts.{e}.w1", f"mlp.experts.{e}.w3"]),
+                                              InputGroup([f"mlp.experts.{e}.w2"]))]]
+    routed = {f"mlp.experts.{e}.{n}": f"mlp.experts.*.{n}" for e in range(3) for n in ("w1", "w3", "w2")}
+    stages = _stages(groups, routed)
+    assert [[g.names[0] for g in s] for s in stages] == [
+        ["self_attn.q_proj"], ["self_attn.o_proj"], [f"mlp.experts.{e}.w1" for e in range(3)],
+        [f"mlp.experts.{e}.w2" for e in range(3)]]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_experts_without_calibration_tokens_are_rounded(method, caplog):
+    """An expert no calibration token reaches still gets quantized (round to nearest) instead of failing the run;
+    GPTQ beats plain rounding on the experts that do get tokens."""
+    model = tiny_model("mixtral", hidden_size=128, intermediate_size=256)
+    rtn = tiny_model("mixtral", hidden_size=128, intermediate_size=256)
+    ids = torch.randint(1, 100, (4, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(ids).logits
+    unfuse_experts(model)
+    for layer in model.model.layers:  # route expert 3's tokens to expert 0
+        layer.mlp.experts.register_forward_pre_hook(lambda m, args: (args[0], args[1].masked_fill(args[1] == 3, 0),
+                                                                     args[2]))
+    for layer in rtn.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(lambda m, args: (args[0], args[1].masked_fill(args[1] == 3, 0),
+                                                                     args[2]))
+    with torch.no_grad():
+        rerouted = model(ids).logits
+    calibration = torch.randint(1, 100, (8, 32), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.INFO, logger="hf_fastpath.quantization.calibrate"):
+        quantize_model(model, dict(method=method, bits=3, group_size=32), calibration_ids=calibration)
+    assert isinstance(model.model.layers[1].mlp.experts[3].w2, W4A16Linear)
+    if method == "gptq":
+        assert "no calibration token reached 1 expert linear(s) (e.g. mlp.experts.3.w1): rounded" in caplog.text
+        assert "(e.g. mlp.experts.3.w2)" in caplog.text
+        quantize_model(rtn, dict(method="rtn", bits=3, group_size=32))
+        with torch.no_grad():
+            errors = {name: float((m(ids).logits - rerouted).norm()) for name, m in (("gptq", model), ("rtn", rtn))}
+        assert errors["gptq"] < errors["rtn"], errors
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    assert not torch.equal(rerouted, reference)  # the reroute did change the model (expert 3 was in use)
