@@ -212,10 +212,17 @@ class UnfusedExperts(nn.ModuleList):
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, device) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
-    layer.weight = nn.Parameter(weight.detach().to(device).contiguous(), requires_grad=weight.requires_grad)
+    layer.weight = nn.Parameter(_own(weight, device), requires_grad=weight.requires_grad)
     if bias is not None:
-        layer.bias = nn.Parameter(bias.detach().to(device).contiguous(), requires_grad=bias.requires_grad)
+        layer.bias = nn.Parameter(_own(bias, device), requires_grad=bias.requires_grad)
     return layer
+
+
+def _own(t: torch.Tensor, device) -> torch.Tensor:
+    """A contiguous copy with storage of its own: a view into the fused tensor would keep all of it alive, and
+    safetensors refuses to save tensors that share memory."""
+    out = t.detach().to(device).contiguous()
+    return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
 
 
 def unfuse_experts(model: nn.Module, skip=None, model_type: str | None = None) -> list[str]:
