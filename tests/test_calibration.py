@@ -283,6 +283,7 @@ def test_tiny_model_quantizes_and_reloads(family, method, calibration_ids, tmp_p
     from transformers import AutoModelForCausalLM
 
     import hf_fastpath
+    from hf_fastpath.integrations.moe_experts import is_fused_experts
     from hf_fastpath.quantization.linear import W4A16Linear
 
     model = tiny_model(family)
@@ -296,7 +297,7 @@ def test_tiny_model_quantizes_and_reloads(family, method, calibration_ids, tmp_p
     layers = [m for m in quantized.modules() if isinstance(m, W4A16Linear)]
     kept = 2 if family == "qwen2_moe" else 0  # its one-output shared_expert_gate (one a layer) stays float
     # fused mixture-of-experts weights (3-D) count one linear per expert and projection
-    experts = sum(3 * m.gate_up_proj.shape[0] for m in model.modules() if hasattr(m, "gate_up_proj"))
+    experts = sum(3 * m.gate_up_proj.shape[0] for m in model.modules() if is_fused_experts(m))
     assert len(layers) == len([m for m in model.modules() if m is not model.get_output_embeddings()
                                and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]) - kept + experts
     with torch.no_grad():
