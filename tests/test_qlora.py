@@ -193,9 +193,14 @@ def gptq_llama(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "mistral", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "mistral", "qwen2", "qwen3", "gemma2", "mixtral",
+                                    "qwen3_moe"])
 def test_all_linear_targets_the_4bit_layers(tmp_path, family):
-    write_quantized_checkpoint(tiny_model(family), tmp_path, QuantSpec("gptq", group_size=32))
+    from hf_fastpath.integrations.moe_experts import unfuse_experts
+
+    float_model = tiny_model(family)
+    unfuse_experts(float_model)  # mixtures of experts: quantized per expert, as gptqmodel saves them
+    write_quantized_checkpoint(float_model, tmp_path, QuantSpec("gptq", group_size=32))
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     quantized = {name for name, m in model.named_modules() if isinstance(m, W4A16Linear)}
     assert quantized, "the checkpoint should load onto W4A16Linear layers"
@@ -206,6 +211,23 @@ def test_all_linear_targets_the_4bit_layers(tmp_path, family):
     assert not isinstance(peft_model.get_output_embeddings(), W4A16LoraLinear)
     ids, mask = random_batch()
     assert torch.isfinite(peft_model(input_ids=ids, attention_mask=mask).logits).all()
+    if "moe" in family or family == "mixtral":  # the experts' adapters train (one call per routed expert)
+        assert any(".experts.3." in name for name in wrapped)
+        peft_model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads = [p.grad for name, p in peft_model.named_parameters() if ".experts." in name and "lora_B" in name]
+        assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+        assert any(g.abs().sum() > 0 for g in grads)
+        with torch.no_grad():  # the adapter saves and reloads under the per-expert names
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+            want = peft_model(input_ids=ids, attention_mask=mask).logits
+        peft_model.save_pretrained(tmp_path / "adapter")
+        from peft import PeftModel
+
+        again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path), tmp_path / "adapter")
+        with torch.no_grad():
+            torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits, want)
 
 
 def test_register_is_idempotent():

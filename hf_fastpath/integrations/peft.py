@@ -339,6 +339,38 @@ def _wrap_all_linear(original):
     return _maybe_include_all_linear_layers
 
 
+def _unless_experts_unfused(original, passthrough: str | None):
+    """PEFT maps adapters between Transformers 4's per-expert MoE linears and Transformers 5's fused experts
+    (targets `w1` become the parameter `gate_up_proj`, adapter keys are merged). A model whose experts
+    `quantize_model` or a per-expert checkpoint unfused (`UnfusedExperts`) has the per-expert linears again: the
+    mapping would drop them from the targets, so it is skipped there (returning `passthrough`'s argument)."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        model = bound.arguments.get("model")
+        if model is not None and any(getattr(m, "routes_tokens", False) for m in model.modules()):
+            return None if passthrough is None else bound.arguments[passthrough]
+        return original(*args, **kwargs)
+
+    wrapper._hf_fastpath_original = original
+    return wrapper
+
+
+def _hook_moe_conversion() -> None:
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a PEFT without Transformers-5 conversions
+        return
+    for name, passthrough in (("convert_peft_config_for_transformers", None),
+                              ("convert_peft_adapter_state_dict_for_transformers", "adapter_state_dict")):
+        current = getattr(conversion, name, None)
+        if current is not None and not hasattr(current, "_hf_fastpath_original"):
+            setattr(conversion, name, _unless_experts_unfused(current, passthrough))
+
+
 def register() -> None:
     """Teach PEFT about `W4A16Linear` (idempotent; a no-op with a debug message when PEFT is not installed)."""
     try:
@@ -349,6 +381,7 @@ def register() -> None:
         return
     if not hasattr(LoraConfig.__post_init__, "_hf_fastpath_original"):
         LoraConfig.__post_init__ = _wrap_post_init(LoraConfig.__post_init__)
+    _hook_moe_conversion()
 
     original = tuners_utils._maybe_include_all_linear_layers
     original = getattr(original, "_hf_fastpath_original", original)
