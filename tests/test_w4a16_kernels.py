@@ -253,3 +253,25 @@ def test_experts_matmul_matches_reference(counts, k, n, group, dtype, split):
     _decode_matmul(x, qweight, scales, zeros, gs, out, experts=(tiles, per_expert), split_k=split)
     ref = torch.cat([x[offsets[e]:offsets[e + 1]].double() @ layers[e][3] for e in range(len(counts))])
     assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("counts", [(1, 0, 1), (5, 12, 3)])
+def test_experts_matmul_two_weights_per_expert_in_one_launch(counts):
+    """Gate and up of each expert stored back to back (expert-major): one launch gives both, side by side."""
+    from hf_fastpath.kernels.w4a16 import w4a16_expert_block_m, w4a16_expert_tiles, w4a16_experts_matmul_rows
+
+    gen = torch.Generator().manual_seed(7)
+    k, n, gs, dtype = 256, 64, 64, F16  # n: the interpreter's column block, as the segments need
+    layers = [[make_layer(k, n, gs, dtype, "random", gen) for _ in range(2)] for _ in counts]
+    flat = [torch.cat([layers[e][j][i].reshape(-1) for e in range(len(counts)) for j in range(2)]) for i in range(3)]
+    stacks = [f.view(len(counts), 2, -1)[:, 0].unflatten(1, layers[0][0][i].shape) for i, f in enumerate(flat)]
+    assert stacks[0].stride(0) == 2 * layers[0][0][0].numel()
+    rows = sum(counts)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    per_expert = -(-rows // sum(c > 0 for c in counts))
+    tiles = w4a16_expert_tiles(offsets, rows, w4a16_expert_block_m(per_expert, k, 2 * n, gs))
+    out = w4a16_experts_matmul_rows(x, *stacks, gs, tiles, per_expert, [n, n])
+    ref = torch.cat([x[offsets[e]:offsets[e + 1]].double() @ torch.cat([layers[e][0][3], layers[e][1][3]], 1)
+                     for e in range(len(counts))])
+    assert_close(out, ref, dtype)

@@ -139,10 +139,11 @@ class UnfusedExperts(nn.ModuleList):
         return out.to(hidden_states.dtype)
 
     def _w4a16_stacks(self, x: torch.Tensor):
-        """Each projection of all experts as one stack for the grouped W4A16 kernel, or None where it does not run
-        (float or PEFT-wrapped linears, act-order, activations the kernels do not take). Built once (eagerly) and
-        rebuilt when the layers' tensors were replaced (`model.to(...)`)."""
-        from ..quantization.linear import W4A16Linear
+        """The experts' W4A16 weights as stacks for the grouped kernel, or None where it does not run (float or
+        PEFT-wrapped linears, act-order, activations the kernels do not take): a list of launches, each (stacks of
+        its first projection, output widths, or () for one projection). Gate and up are one launch where their
+        widths allow it. Built once (eagerly) and rebuilt when the layers' tensors were replaced (`model.to(...)`)."""
+        from ..quantization.linear import W4A16Linear, _kernels
 
         first = getattr(self[0], self.names["up"])
         if type(first) is not W4A16Linear or x.dtype not in (torch.float16, torch.bfloat16) or \
@@ -155,21 +156,26 @@ class UnfusedExperts(nn.ModuleList):
             return cached[2]
         from ..quantization.fusion import stack_experts
 
-        roles = ("gate", "up", "down") if self.has_gate else ("up", "down")
-        stacks = {role: stack_experts([getattr(e, self.names[role]) for e in self]) for role in roles}
-        if any(v is None for v in stacks.values()):
-            stacks = None
-        else:  # the kernel takes scales / zeros in the activations' dtype
-            for v in stacks.values():
-                v["scales"], v["zeros"] = v["scales"].to(x.dtype), v["zeros"].to(x.dtype)
-                v["group_size"] = first._effective_group_size
-        self.__dict__["_stacks"] = (first._buffers["qweight"], x.dtype, stacks)
-        return stacks
+        layers = {role: [getattr(e, self.names[role]) for e in self] for role in ("gate", "up", "down")
+                  if role != "gate" or self.has_gate}
+        input_side = [layers[r] for r in ("gate", "up") if r in layers]
+        launches = None
+        stacked = stack_experts(input_side), stack_experts([layers["down"]])
+        if stacked[0] is not None and stacked[1] is not None:
+            for stack in (*stacked[0], *stacked[1]):  # the kernel takes scales / zeros in the activations' dtype
+                stack["scales"], stack["zeros"] = stack["scales"].to(x.dtype), stack["zeros"].to(x.dtype)
+            widths = [m[0].out_features for m in input_side]
+            one_launch = (len(widths) == 2 and self.concatenated and all(s["bias"] is None for s in stacked[0])
+                          and not any(w % _kernels().w4a16_segment_columns() for w in widths))
+            launches = {"in": [(stacked[0][0], widths)] if one_launch else [(s, []) for s in stacked[0]],
+                        "down": (stacked[1][0], []), "group_size": first._effective_group_size}
+        self.__dict__["_stacks"] = (first._buffers["qweight"], x.dtype, launches)
+        return launches
 
-    def _grouped_forward(self, stacks, hidden_states, top_k_index, top_k_weights):
-        """All experts in one W4A16 launch per projection: rows sorted by expert, a fixed-size tile table (no host
-        sync, so CUDA graphs and torch.compile fullgraph hold), results put back in token order and summed over
-        the top-k in fp32 (deterministic: no atomics)."""
+    def _grouped_forward(self, launches, hidden_states, top_k_index, top_k_weights):
+        """All experts in one W4A16 launch per projection (gate and up in one where they fit): rows sorted by
+        expert, a fixed-size tile table (no host sync, so CUDA graphs and torch.compile fullgraph hold), results
+        put back in token order and summed over the top-k in fp32 (deterministic: no atomics)."""
         from ..kernels import w4a16_ops
         from ..quantization.linear import _kernels
 
@@ -181,27 +187,31 @@ class UnfusedExperts(nn.ModuleList):
         rows = x.shape[0]
         offsets = torch.searchsorted(expert_of_row, torch.arange(experts + 1, device=x.device))
         per_expert = -(-rows // min(experts, rows))
+        group_size = launches["group_size"]
         tables = {}
 
-        def project(role, inputs):
-            w = stacks[role]
-            k, n = inputs.shape[1], w["qweight"].shape[2]
-            block_m = kernels.w4a16_expert_block_m(per_expert, k, n, w["group_size"])
+        def project(inputs, stack, widths):
+            n = sum(widths) if widths else stack["qweight"].shape[2]
+            block_m = kernels.w4a16_expert_block_m(per_expert, inputs.shape[1], n, group_size)
             if block_m not in tables:
                 tables[block_m] = kernels.w4a16_expert_tiles(offsets, rows, block_m)
-            args = (inputs, w["qweight"], w["scales"], w["zeros"], w["group_size"], tables[block_m], per_expert)
+            args = (inputs, stack["qweight"], stack["scales"], stack["zeros"], group_size, tables[block_m],
+                    per_expert, widths)
             y = w4a16_ops.w4a16_experts_op(*args) if torch.compiler.is_compiling() else \
                 kernels.w4a16_experts_matmul_rows(*args)
-            return y if w["bias"] is None else y + w["bias"][expert_of_row].to(y.dtype)
+            return y if stack["bias"] is None else y + stack["bias"][expert_of_row].to(y.dtype)
 
-        up = project("up", x)
-        if self.has_gate:
-            gate = project("gate", x)
-            both = torch.cat((gate, up), -1) if self.concatenated else torch.stack((gate, up), -1).flatten(-2)
-            h = self._fused._apply_gate(both)
+        outs = [project(x, stack, widths) for stack, widths in launches["in"]]
+        if not self.has_gate:
+            h = self._fused.act_fn(outs[0])
         else:
-            h = self._fused.act_fn(up)
-        y = project("down", h.contiguous()).float() * top_k_weights.reshape(-1)[order, None].float()
+            if len(outs) == 1:  # gate and up side by side: the concatenated layout _apply_gate takes
+                both = outs[0]
+            else:
+                gate, up = outs
+                both = torch.cat((gate, up), -1) if self.concatenated else torch.stack((gate, up), -1).flatten(-2)
+            h = self._fused._apply_gate(both)
+        y = project(h.contiguous(), *launches["down"]).float() * top_k_weights.reshape(-1)[order, None].float()
         in_token_order = torch.empty_like(y)
         in_token_order[order] = y
         return in_token_order.view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)

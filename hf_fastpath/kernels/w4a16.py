@@ -1078,18 +1078,21 @@ def w4a16_expert_tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.
 
 @on_input_device
 def w4a16_experts_matmul_rows(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                              group_size: int, tiles: torch.Tensor, rows_per_expert: int, *,
+                              group_size: int, tiles: torch.Tensor, rows_per_expert: int, widths=None, *,
                               cache_workspace: bool = True) -> torch.Tensor:
     """One launch for a mixture of experts' weights: row r of x2 [R, K] (rows sorted by expert) times the weight of
     its expert. qweight [E, K / 8, N], scales / zeros [E, G, N]: each expert's weight in `w4a16_matmul`'s layout,
     stacked (views of back-to-back storage are fine: only unit strides inside an expert are needed); tiles from
-    `w4a16_expert_tiles` with `w4a16_expert_block_m(rows_per_expert, ...)`. Returns [R, N]; rows of no tile
-    (routed to no expert) are left unwritten."""
-    n = qweight.shape[2]
+    `w4a16_expert_tiles` with `w4a16_expert_block_m(rows_per_expert, ...)`. widths (N_0, N_1[, N_2]): each expert
+    holds 2-3 weights of one input back to back (gate, up), qweight / scales / zeros being the first one's stacks
+    and the expert stride covering all; the outputs come side by side ([R, sum N_j]), each N_j a multiple of
+    `w4a16_segment_columns()`. Returns [R, N]; rows of no tile (routed to no expert) are left unwritten."""
+    n = qweight.shape[2] if not widths else sum(widths)
+    segments = None if not widths else (widths[0], widths[0] + widths[1] if len(widths) == 3 else n)
     out = torch.empty((x2.shape[0], n), device=x2.device, dtype=x2.dtype)
     if x2.shape[0] > 0 and n > 0:
         _decode_matmul(x2, qweight, scales, zeros, group_size, out, cache_workspace=cache_workspace,
-                       experts=(tiles, rows_per_expert))
+                       segments=segments, experts=(tiles, rows_per_expert))
     return out
 
 

@@ -58,14 +58,14 @@ def _(x, qweights, scales, zeros, group_size):
 
 @torch.library.custom_op("hf_fastpath::w4a16_experts_matmul", mutates_args=())
 def w4a16_experts_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     group_size: int, tiles: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
+                     group_size: int, tiles: torch.Tensor, rows_per_expert: int, widths: list[int]) -> torch.Tensor:
     return _kernels().w4a16_experts_matmul_rows(x, qweight, scales, zeros, group_size, tiles, rows_per_expert,
-                                                cache_workspace=False)
+                                                widths, cache_workspace=False)
 
 
 @w4a16_experts_op.register_fake
-def _(x, qweight, scales, zeros, group_size, tiles, rows_per_expert):
-    return x.new_empty(x.shape[0], qweight.shape[2])
+def _(x, qweight, scales, zeros, group_size, tiles, rows_per_expert, widths):
+    return x.new_empty(x.shape[0], sum(widths) if widths else qweight.shape[2])
 
 
 def _op_setup_context(ctx, inputs, output):

@@ -68,41 +68,55 @@ def fuse_siblings(layers) -> bool:
     return True
 
 
-def stack_experts(layers) -> dict[str, torch.Tensor] | None:
-    """One projection of every expert of a mixture of experts (E loaded 4-bit `W4A16Linear` layers of one shape) as
-    stacks for `w4a16_experts_matmul_rows`: {"qweight": [E, K / 8, N], "scales" / "zeros": [E, G, N], "bias": [E, N]
-    or None}, views of one allocation per tensor kind. Layers not stored back to back yet are re-stored so first
-    (each keeps its own tensors, now views: state_dict, saving and PEFT see nothing new). None where one launch
-    cannot serve them (other bits or shapes, act-order, meta tensors, dtypes or devices that differ)."""
-    kernels = _kernels()
+def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
+    """Projections of every expert of a mixture of experts as stacks for `w4a16_experts_matmul_rows`: `roles` is a
+    list of projections (e.g. [gate layers, up layers]), each the E loaded 4-bit `W4A16Linear` layers of one shape.
+    Returns per projection {"qweight": [E, K / 8, N], "scales" / "zeros": [E, G, N], "bias": [E, N] or None}: views
+    of one allocation per tensor kind, expert by expert and within an expert projection by projection (so gate and
+    up of one expert lie back to back, as one segmented launch reads them). Layers not stored so yet are re-stored
+    first (each keeps its own tensors, now views: state_dict, saving and PEFT see nothing new). None where one
+    launch cannot serve them (other bits or shapes, act-order, meta tensors, dtypes or devices that differ)."""
+    layers = [m for role in roles for m in role]
     first = layers[0] if layers else None
-    if kernels is None or not layers or not all(type(m) is W4A16Linear for m in layers):
+    if _kernels() is None or not layers or not all(type(m) is W4A16Linear for m in layers) or \
+            len({len(role) for role in roles}) != 1:
         return None
-    has_bias = first._parameters["bias"] is not None
-    for m in layers:
-        if (m._staging is not None or m.bits != 4 or m.perm is not None or m.qweight.is_meta
-                or (m.in_features, m.out_features) != (first.in_features, first.out_features)
-                or m._effective_group_size != first._effective_group_size
-                or (m._parameters["bias"] is not None) != has_bias
-                or any(m._buffers[t].dtype != first._buffers[t].dtype
-                       or m._buffers[t].device != first._buffers[t].device for t in ("qweight", "scales", "zeros"))):
-            return None
-    stacks = {}
+    for role in roles:
+        lead = role[0]
+        has_bias = lead._parameters["bias"] is not None
+        for m in role:
+            if (m._staging is not None or m.bits != 4 or m.perm is not None or m.qweight.is_meta
+                    or (m.in_features, m.out_features) != (lead.in_features, lead.out_features)
+                    or m._effective_group_size != first._effective_group_size or m.in_features != first.in_features
+                    or (m._parameters["bias"] is not None) != has_bias
+                    or any(m._buffers[t].dtype != first._buffers[t].dtype or m._buffers[t].device !=
+                           first._buffers[t].device for t in ("qweight", "scales", "zeros"))):
+                return None
+    experts = len(roles[0])
+    order = [role[e] for e in range(experts) for role in roles]  # storage order: expert-major
+    stacks = [{} for _ in roles]
     for name, table in (("qweight", "_buffers"), ("scales", "_buffers"), ("zeros", "_buffers"),
                         ("bias", "_parameters")):
-        if name == "bias" and not has_bias:
-            stacks[name] = None
+        if name == "bias" and any(role[0]._parameters["bias"] is None for role in roles):
+            for stack in stacks:
+                stack[name] = None
             continue
-        tensors = [getattr(m, table)[name] for m in layers]
-        t0, size = tensors[0], tensors[0].numel()
-        if not all(t.is_contiguous() and t.data_ptr() == t0.data_ptr() + i * size * t0.element_size()
-                   for i, t in enumerate(tensors)):
+        tensors = [getattr(m, table)[name] for m in order]
+        starts, offset = [], tensors[0].data_ptr()
+        for t in tensors:
+            starts.append(t.data_ptr() == offset and t.is_contiguous())
+            offset += t.numel() * t.element_size()
+        if not all(starts):
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            for i, (m, t) in enumerate(zip(layers, tensors)):
-                view = flat[i * size:(i + 1) * size].view(t.shape)
+            start = 0
+            for m, t in zip(order, tensors):
+                view = flat[start:start + t.numel()].view(t.shape)
                 getattr(m, table)[name] = nn.Parameter(view, t.requires_grad) if name == "bias" else view
-            t0 = getattr(first, table)[name]
-        stacks[name] = t0.detach().as_strided((len(layers), *t0.shape), (size, *t0.stride()), t0.storage_offset())
+                start += t.numel()
+        per_expert = sum(getattr(role[0], table)[name].numel() for role in roles)
+        for stack, role in zip(stacks, roles):
+            t0 = getattr(role[0], table)[name].detach()
+            stack[name] = t0.as_strided((experts, *t0.shape), (per_expert, *t0.stride()), t0.storage_offset())
     return stacks
 
 
