@@ -1,4 +1,4 @@
-"""Compiles the attention kernels for sm_90 (Hopper) without a GPU and prints one JSON line per build:
+"""Compiles the Triton attention kernels and the W4A16 decode kernel for sm_90 (Hopper) without a GPU and prints one JSON line per build:
 `{"name", "shared"}` (bytes of shared memory) or `{"name", "error"}`. Run with TRITON_INTERPRET unset or 0
 (`tests/test_kernel_builds.py` starts it in a subprocess: the interpreter's `triton.jit` cannot be compiled)."""
 
@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from hf_fastpath.kernels import flash_attention as fa  # noqa: E402
+from hf_fastpath.kernels import w4a16  # noqa: E402
 from hf_fastpath.kernels.launch import COMPILE_OPTIONS  # noqa: E402
 
 POINTERS = {"LSE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
@@ -24,18 +25,21 @@ FLOATS = ("sm_scale", "scale_log2", "softcap")
 
 
 def build(fn, constexprs, num_warps, num_stages, pointers=None):
+    # a kernel names its pointers one way: `x_ptr` (W4A16), else upper case (attention's Q, K, V, LSE...)
+    suffixed = any(p.name.endswith("_ptr") for p in fn.params)
+    is_pointer = {p.name: p.name.endswith("_ptr") if suffixed else p.name.isupper() for p in fn.params}
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
-        elif p.name.isupper():
+        elif is_pointer[p.name]:
             sig[p.name] = {**POINTERS, **(pointers or {})}.get(p.name, "*bf16")
         else:
             sig[p.name] = "fp32" if p.name in FLOATS else "i32"
     # what the launch specializes on with real tensors: 16-byte aligned pointers, row strides that are multiples of
     # 16 (without these hints Triton neither vectorizes nor pipelines the loads, and needs less shared memory)
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
-             if not p.is_constexpr and (p.name.isupper() or p.name in ("stride_qs", "stride_ks", "stride_vs",
+             if not p.is_constexpr and (is_pointer[p.name] or p.name in ("stride_qs", "stride_ks", "stride_vs",
                                                                         "stride_os", "stride_dos", "stride_dqs",
                                                                         "stride_dks", "stride_dvs"))}
     src = ASTSource(fn, sig, constexprs, attrs)
@@ -71,9 +75,27 @@ def cases():
                                 MASK_MODE=mode), w, st, ptrs)
 
 
+def w4a16_cases():
+    """The W4A16 decode kernel (`w4a16._decode_kernel`) with the configs its planner picks on an H100 (132 SMs) for
+    Llama-3-8B / Mixtral shapes: 1-64 rows, split-K, gate and up side by side (SEGMENTED), a mixture of experts'
+    stacked weights (EXPERTS) and both."""
+    pointers = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+                "ws_ptr": "*fp32", "count_ptr": "*i32", "tiles_ptr": "*i32"}
+    for m, k, n, group in ((1, 4096, 14336, 128), (4, 4096, 4096, 128), (16, 4096, 14336, 128), (64, 14336, 4096, 128),
+                           (1, 4096, 4096, 32)):
+        for segmented, experts in ((False, False), (True, False), (False, True), (True, True)):
+            _, _, split_k, _, meta = w4a16._decode_plan(m, k, n, group, 132, False, True, segmented,
+                                                        8 if experts else 1)
+            meta = dict(meta, EXPERTS=experts)
+            warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+            tags = "".join(t for t, on in ((" split", split_k > 1), (" segmented", segmented), (" experts", experts))
+                           if on)
+            yield f"w4a16 decode m{m} {k}x{n} g{group}{tags}", w4a16._decode_kernel, meta, warps, stages, pointers
+
+
 def main():
     only = sys.argv[1:]
-    for name, fn, constexprs, warps, stages, pointers in cases():
+    for name, fn, constexprs, warps, stages, pointers in (*cases(), *w4a16_cases()):
         if only and not any(o in name for o in only):
             continue
         try:

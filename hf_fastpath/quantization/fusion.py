@@ -81,9 +81,9 @@ def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
     if _kernels() is None or not layers or not all(type(m) is W4A16Linear for m in layers) or \
             len({len(role) for role in roles}) != 1:
         return None
+    has_bias = first._parameters["bias"] is not None  # all or none: the stacks share one bias allocation
     for role in roles:
         lead = role[0]
-        has_bias = lead._parameters["bias"] is not None
         for m in role:
             if (m._staging is not None or m.bits != 4 or m.perm is not None or m.qweight.is_meta
                     or (m.in_features, m.out_features) != (lead.in_features, lead.out_features)
@@ -97,7 +97,7 @@ def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
     stacks = [{} for _ in roles]
     for name, table in (("qweight", "_buffers"), ("scales", "_buffers"), ("zeros", "_buffers"),
                         ("bias", "_parameters")):
-        if name == "bias" and any(role[0]._parameters["bias"] is None for role in roles):
+        if name == "bias" and not has_bias:
             for stack in stacks:
                 stack[name] = None
             continue
