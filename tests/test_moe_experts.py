@@ -11,7 +11,9 @@ import torch
 from hf_fastpath.integrations.moe_experts import UnfusedExperts, expert_linear_names, unfuse_experts
 from hf_fastpath.quantization import W4A16Config, w4a16_backend
 from hf_fastpath.quantization.calibrate import _stages, quantize_model
-from hf_fastpath.quantization.blocks import InputGroup
+from hf_fastpath.quantization.awq import AWQSettings, awq_block
+from hf_fastpath.quantization.blocks import (BlockInputs, InputGroup, capture_block_inputs, find_decoder_layers,
+                                             find_linears, run_block)
 from hf_fastpath.quantization.linear import W4A16Linear
 from models import random_batch, tiny_model
 
@@ -114,3 +116,38 @@ def test_experts_without_calibration_tokens_are_rounded(method, caplog):
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
     assert not torch.equal(rerouted, reference)  # the reroute did change the model (expert 3 was in use)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_awq_folds_each_experts_down_into_its_up(family):
+    """AWQ scales each expert's down projection by its up projection's output rows, searched on the expert's own
+    tokens (AutoAWQ's Mixtral treatment), the float function kept; not where down's input is not linear in up
+    (gpt-oss's clamped (up + 1) * glu(gate))."""
+    model = tiny_model(family)
+    unfuse_experts(model)
+    ids, _ = random_batch(2, 16)
+    with torch.no_grad():
+        reference = model(ids).logits
+    _, layers = find_decoder_layers(model)
+    inputs = capture_block_inputs(model, layers[0], torch.randint(1, 100, (4, 16)), 4, "cpu")
+    gate, up, down = NAMES[family]
+    ups = {e: getattr(layers[0].mlp.experts[e], up).weight.detach().clone() for e in range(4)}
+    reports = []
+    for layer in layers:
+        reports.append(awq_block(layer, inputs, find_linears(layer), AWQSettings(group_size=32, n_grid=6, clip=False)))
+        inputs = BlockInputs(run_block(layer, inputs), inputs.kwargs)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference, rtol=1e-5, atol=2e-5)
+    for report in reports:
+        downs = [r for r in report if r.startswith("mlp.experts.") and f".{down}" in r.split(":")[0].split(" ")[0]]
+        assert len(downs) == 4, report
+        if family == "gpt_oss":
+            assert all(r.endswith("routed expert, clip only") for r in downs), downs
+            continue
+        folded = [r for r in downs if " <- " in r]
+        assert len(folded) >= 3, downs  # 64 tokens, top-2 of 4 experts: an expert with no token is unlikely
+        for r in folded:
+            expert = r.split(".")[2]
+            assert r.startswith(f"mlp.experts.{expert}.{down} <- mlp.experts.{expert}.{up}: "), r
+    changed = [e for e in range(4) if not torch.equal(getattr(layers[0].mlp.experts[e], up).weight, ups[e])]
+    assert (changed == []) == (family == "gpt_oss"), changed

@@ -94,6 +94,7 @@ class UnfusedExperts(nn.ModuleList):
             experts.append(expert)
         super().__init__(experts)
         self.has_gate, self.names, self.concatenated = has_gate, names, concatenated
+        self.gate_times_up = has_gate and concatenated and _default_gate(fused)
         for name in _WEIGHTS + _BIASES:  # the fused module keeps only what its _apply_gate / act_fn use
             fused._parameters.pop(name, None)
         # not a child: it holds no weights any more, and its name must not appear in the state dict
@@ -102,6 +103,14 @@ class UnfusedExperts(nn.ModuleList):
     @property
     def num_experts(self) -> int:
         return len(self)
+
+    def scale_partner(self, name: str) -> str | None:
+        """For an expert's down projection (`"<e>.<down>"`): its up projection (`"<e>.<up>"`), whose output rows
+        AWQ may divide by the scales the down projection's inputs take, as for a dense MLP. Only where down's input
+        is act(gate) * up (Transformers' default gate); gpt-oss's clamped (up + 1) * glu(gate) and a gateless
+        act(up) are not linear in up."""
+        expert, _, leaf = name.partition(".")
+        return f"{expert}.{self.names['up']}" if self.gate_times_up and leaf == self.names["down"] else None
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         expert = self[e]
@@ -218,6 +227,15 @@ class UnfusedExperts(nn.ModuleList):
 
     def extra_repr(self) -> str:
         return f"fused={type(self._fused).__name__}, names={tuple(self.names.values())}"
+
+
+def _default_gate(fused: nn.Module) -> bool:
+    """Whether the fused module gates with Transformers' default act_fn(gate) * up (not a model's own)."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    return getattr(type(fused), "_apply_gate", None) is _default_apply_gate
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, device) -> nn.Linear:

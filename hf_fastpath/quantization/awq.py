@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_weight, routed_linears,
-                     scale_partner, set_linear_weight, set_submodule)
+                     routed_scale_partner, scale_partner, set_linear_weight, set_submodule)
 from .formats import resolve_group_size
 from .rtn import fake_quantize_grouped, pad_columns
 
@@ -252,12 +252,16 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
     routed = routed_linears(block)
     report = []
     for group in groups:
-        if group.names[0] in routed:
-            # an expert's input is a gather of its routed tokens: no producer to fold scales into (the up -> down
-            # fold would need the scales searched on each expert's tokens; AutoAWQ folds none either)
-            report.append(f"{'+'.join(group.names)}: routed expert, clip only")
-            continue
         producer, kind = group.producer, group.producer_kind
+        if group.names[0] in routed:
+            # An expert's gate / up read a gather of its routed tokens (no producer of theirs to fold into; the
+            # norm before the router would need the router compensated too). Its down folds into its up, the
+            # scales searched on the expert's own tokens, as AutoAWQ does for Mixtral.
+            partner = routed_scale_partner(block, group.names[0]) if len(group.names) == 1 else None
+            if partner is None or partner not in linears:
+                report.append(f"{'+'.join(group.names)}: routed expert, clip only")
+                continue
+            producer, kind = partner, "linear"
         if producer is None and len(group.names) == 1:
             partner = scale_partner(group.names[0], linears)
             if partner is not None:
@@ -272,6 +276,9 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
             continue
         inspect_name = _inspect_module_name(group)
         inspect, records, outputs, x_mean, _ = _capture_group(block, search_inputs, linears, group, inspect_name)
+        if x_mean is None:  # an expert the search tokens never reached
+            report.append(f"{'+'.join(group.names)}: no routed search token, clip only")
+            continue
         scales, (form, alpha) = _search_scales(inspect, records, outputs, x_mean, linears, group.names, settings)
         fold_scales(block, linears, group, producer, kind, scales)
         report.append(f"{'+'.join(group.names)} <- {producer}: {form} alpha={alpha:.2f}")

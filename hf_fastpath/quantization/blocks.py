@@ -296,6 +296,16 @@ def routed_linears(block: nn.Module) -> dict[str, str]:
     return out
 
 
+def routed_scale_partner(block: nn.Module, name: str) -> str | None:
+    """The linear whose output rows can take AWQ's division for routed linear `name` (an expert's up for its down:
+    the experts module's `scale_partner`), or None."""
+    for prefix, module in block.named_modules():
+        if getattr(module, "routes_tokens", False) and name.startswith(f"{prefix}."):
+            partner = module.scale_partner(name[len(prefix) + 1:])
+            return None if partner is None else f"{prefix}.{partner}"
+    return None
+
+
 # Producers that cannot be seen by tensor identity (the tensor goes through a reshape or a product first):
 # consumer suffix -> producer sibling suffix, valid only when the producer's outputs map 1:1 onto the consumer's
 # inputs (same size; checked by the caller). v -> o holds for plain multi-head attention (not GQA);
