@@ -139,9 +139,12 @@ def test_awq_scale_folding_keeps_the_float_function(family):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=2e-5)
 
 
-def test_awq_does_not_fold_into_a_producer_that_feeds_other_modules():
-    """A norm whose output reaches a router beside the quantized linears (a mixture-of-experts layer) cannot take
-    AWQ's division: the router would see scaled inputs. The group gets the clip search only, the function is kept."""
+@pytest.mark.parametrize("router_kind", ["linear", "cosine"])
+def test_awq_folds_into_a_producer_that_feeds_a_router_only_where_the_router_takes_the_scales_back(router_kind):
+    """A norm whose output also reaches a router beside the quantized linears (a mixture-of-experts layer): its
+    division would change what the router computes. A linear router takes the scales back in its weight's input
+    channels (the fold happens); a cosine router (normalized input) cannot, and the group gets the clip search only.
+    The float function is kept either way."""
     from torch import nn
 
     class TopKRouter(nn.Module):  # a router that is not a linear layer, as in Transformers 5's MoE models
@@ -150,6 +153,8 @@ def test_awq_does_not_fold_into_a_producer_that_feeds_other_modules():
             self.weight = nn.Parameter(torch.randn(4, 32))
 
         def forward(self, x):
+            if router_kind == "cosine":
+                x = torch.nn.functional.normalize(x, dim=-1)
             return torch.softmax(x @ self.weight.t(), -1)
 
     class Block(nn.Module):
@@ -167,11 +172,17 @@ def test_awq_does_not_fold_into_a_producer_that_feeds_other_modules():
     block = Block()
     with torch.no_grad():
         block.norm.weight.uniform_(0.5, 2.0)
+    router_weight = block.router.weight.detach().clone()
     hidden = [correlated_inputs(64, 32, seed).reshape(2, 32, 32) for seed in range(2)]
     inputs = BlockInputs(hidden=hidden, kwargs=[{}, {}])
     reference = run_block(block, inputs)
     report = awq_block(block, inputs, {"up": block.up, "down": block.down}, AWQSettings(group_size=32, clip=False))
-    assert "up: norm also feeds router, clip only" in report, report
+    if router_kind == "linear":
+        assert any(r.startswith("up <- norm: ") and r.endswith("(router compensated)") for r in report), report
+        assert not torch.equal(block.router.weight, router_weight)
+    else:
+        assert "up: norm also feeds router, clip only" in report, report
+        assert torch.equal(block.router.weight, router_weight)
     assert any(r.startswith("down <- act") for r in report), report  # a producer feeding only its group folds
     for got, want in zip(run_block(block, inputs), reference):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

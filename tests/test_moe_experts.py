@@ -118,11 +118,11 @@ def test_experts_without_calibration_tokens_are_rounded(method, caplog):
     assert not torch.equal(rerouted, reference)  # the reroute did change the model (expert 3 was in use)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
-def test_awq_folds_each_experts_down_into_its_up(family):
-    """AWQ scales each expert's down projection by its up projection's output rows, searched on the expert's own
-    tokens (AutoAWQ's Mixtral treatment), the float function kept; not where down's input is not linear in up
-    (gpt-oss's clamped (up + 1) * glu(gate))."""
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_awq_scales_experts_from_the_norm_and_each_down_from_its_up(family):
+    """AWQ on unfused experts, the float function kept: all experts' gate / up (and a shared expert's) take one set
+    of scales from the norm before the router, the router taking them back; each expert's down folds into its own up, searched on its own tokens (AutoAWQ's Mixtral treatment), but
+    not where down's input is not linear in up (gpt-oss's clamped (up + 1) * glu(gate))."""
     model = tiny_model(family)
     unfuse_experts(model)
     ids, _ = random_batch(2, 16)
@@ -131,23 +131,31 @@ def test_awq_folds_each_experts_down_into_its_up(family):
     _, layers = find_decoder_layers(model)
     inputs = capture_block_inputs(model, layers[0], torch.randint(1, 100, (4, 16)), 4, "cpu")
     gate, up, down = NAMES[family]
-    ups = {e: getattr(layers[0].mlp.experts[e], up).weight.detach().clone() for e in range(4)}
+    downs_before = [getattr(layers[0].mlp.experts[e], down).weight.detach().clone() for e in range(4)]
     reports = []
     for layer in layers:
         reports.append(awq_block(layer, inputs, find_linears(layer), AWQSettings(group_size=32, n_grid=6, clip=False)))
         inputs = BlockInputs(run_block(layer, inputs), inputs.kwargs)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference, rtol=1e-5, atol=2e-5)
+    router = "mlp.router" if family == "gpt_oss" else "mlp.gate"
     for report in reports:
+        norm_fold = [r for r in report if " <- post_attention_layernorm: " in r]
+        assert len(norm_fold) == 1 and "mlp.experts" in norm_fold[0].split(" <- ")[0], report
+        assert norm_fold[0].endswith(" compensated)") and router in norm_fold[0], norm_fold
+        if family == "qwen2_moe":  # the shared expert and its one-output gate read the same input
+            assert norm_fold[0].startswith("mlp.shared_expert.gate_proj+mlp.shared_expert.up_proj+mlp.experts+"
+                                           "mlp.shared_expert_gate <-"), norm_fold
         downs = [r for r in report if r.startswith("mlp.experts.") and f".{down}" in r.split(":")[0].split(" ")[0]]
         assert len(downs) == 4, report
         if family == "gpt_oss":
-            assert all(r.endswith("routed expert, clip only") for r in downs), downs
+            assert all(r.endswith("routed expert, no scales of its own") for r in downs), downs
             continue
         folded = [r for r in downs if " <- " in r]
         assert len(folded) >= 3, downs  # 64 tokens, top-2 of 4 experts: an expert with no token is unlikely
         for r in folded:
             expert = r.split(".")[2]
             assert r.startswith(f"mlp.experts.{expert}.{down} <- mlp.experts.{expert}.{up}: "), r
-    changed = [e for e in range(4) if not torch.equal(getattr(layers[0].mlp.experts[e], up).weight, ups[e])]
+    changed = [e for e in range(4) if not torch.equal(getattr(layers[0].mlp.experts[e], down).weight,
+                                                      downs_before[e])]
     assert (changed == []) == (family == "gpt_oss"), changed

@@ -104,6 +104,11 @@ class UnfusedExperts(nn.ModuleList):
     def num_experts(self) -> int:
         return len(self)
 
+    def input_linear_names(self) -> list[str]:
+        """The linears that read the experts' input (gate and up of every expert), relative to this module."""
+        roles = ("gate", "up") if self.has_gate else ("up",)
+        return [f"{e}.{self.names[role]}" for e in range(len(self)) for role in roles]
+
     def scale_partner(self, name: str) -> str | None:
         """For an expert's down projection (`"<e>.<down>"`): its up projection (`"<e>.<up>"`), whose output rows
         AWQ may divide by the scales the down projection's inputs take, as for a dense MLP. Only where down's input

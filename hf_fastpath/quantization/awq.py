@@ -9,20 +9,25 @@ shrink factor) to minimise the linear's output error, and the weights are rounde
 
 Scales fold into: a norm's weight (+ bias); the previous linear's output rows (v -> o, up -> down); or, after a
 non-linear activation (GELU...), a `ScaledActivation` that divides the activation's output (saved as `act.scales`).
-A producer whose output also reaches modules outside the group (a mixture-of-experts router beside a shared expert's
-linears) takes no scales: that group gets the clip search only.
+A producer whose output also reaches modules outside the group (a mixture-of-experts router beside the experts'
+linears) takes the scales only where each such module can take them back in its input channels and compute the
+same (checked in float64 on its real input: a linear router or a float linear does; a cosine router does not);
+else the group gets the clip search only. Mixture-of-experts experts (`UnfusedExperts`): all experts' gate / up
+take one set of scales from the norm before the router (judged at the MoE block's output, as AutoAWQ does, whose
+router is left reading scaled inputs); each expert's down takes its own from its up, on its routed tokens.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, linear_weight, routed_linears,
-                     routed_scale_partner, scale_partner, set_linear_weight, set_submodule)
+from .blocks import (BlockInputs, InputGroup, StopForward, block_output, input_groups, is_linear, linear_weight,
+                     routed_linears, routed_scale_partner, scale_partner, set_linear_weight, set_submodule)
 from .formats import resolve_group_size
 from .rtn import fake_quantize_grouped, pad_columns
 
@@ -83,7 +88,7 @@ def _trim(batches: BlockInputs, max_tokens: int | None) -> BlockInputs:
 def _capture_group(block, inputs: BlockInputs, linears, group: InputGroup, inspect_name: str):
     """Per batch: the inspect module's (args, kwargs) and float output; the channel means of |x|; sampled x rows."""
     inspect = block.get_submodule(inspect_name) if inspect_name else block
-    first = linears[group.names[0]]
+    first = block.get_submodule(group.names[0])  # a linear, or an experts module: its first argument is x
     records, outputs = [], []
     abs_sum, count = None, 0
     xs = []
@@ -170,9 +175,9 @@ _GAIN_PLUS_ONE_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 
 
 @torch.no_grad()
-def fold_scales(block: nn.Module, linears: dict[str, nn.Module], group: InputGroup, producer: str,
+def fold_scales(block: nn.Module, linears: dict[str, nn.Module], names: list[str], producer: str,
                 producer_kind: str, scales: torch.Tensor) -> None:
-    """Multiply the group's input channels by `scales` in its linears and divide them out of the producer."""
+    """Multiply the input channels of linears `names` by `scales` and divide them out of the producer."""
     prod = block.get_submodule(producer)
     if producer_kind == "norm":
         if type(prod).__name__ in _GAIN_PLUS_ONE_NORMS:  # y = norm(x) * (1 + weight)
@@ -190,15 +195,80 @@ def fold_scales(block: nn.Module, linears: dict[str, nn.Module], group: InputGro
         if isinstance(prod, ScaledActivation):
             prod.scales.mul_(scales.to(prod.scales.dtype))
         else:
-            dtype = linear_weight(linears[group.names[0]]).dtype
+            dtype = linear_weight(linears[names[0]]).dtype
             wrapped = ScaledActivation(prod, scales.numel(), dtype=dtype, device=scales.device)
             wrapped.scales.copy_(scales.to(dtype))
             set_submodule(block, producer, wrapped)
     else:
         raise ValueError(f"cannot fold AWQ scales into {producer} ({producer_kind})")
-    for n in group.names:
+    for n in names:
         w = linear_weight(linears[n])
         set_linear_weight(linears[n], w.float() * scales[None, :].to(w.device))
+
+
+def _scaled_linears(block: nn.Module, names: list[str], linears: dict[str, nn.Module]) -> list[str] | None:
+    """The linears whose input channels a group's scales multiply: experts modules stand for all their experts'
+    input-side linears. None where some of those are not being quantized (they would read scaled inputs)."""
+    out = []
+    for name in names:
+        module = block.get_submodule(name)
+        inner = [f"{name}.{n}" for n in module.input_linear_names()] if getattr(module, "routes_tokens", False) \
+            else [name]
+        if not all(n in linears for n in inner):
+            return None
+        out += inner
+    return out
+
+
+def _channel_weight(module: nn.Module, features: int) -> torch.Tensor | None:
+    """A module's [out, in] weight that its input channels multiply (a linear's, a linear router's), else None."""
+    w = linear_weight(module) if is_linear(module) else getattr(module, "weight", None)
+    return w if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == features else None
+
+
+@torch.no_grad()
+def _compensate_consumers(block: nn.Module, names: list[str], scales: torch.Tensor, hidden: torch.Tensor,
+                          kwargs: dict) -> str | None:
+    """Let modules that read the producer's output beside the group (a router, a float linear) take the scales
+    back: their weight's input channels multiplied by `scales`, once a float64 copy run on the module's real input
+    shows it computes the same from input / scales. Returns the name of the first that cannot (nothing changed)."""
+    captured = {}
+    handles = [block.get_submodule(n).register_forward_pre_hook(
+        lambda m, args, kw, n=n: captured.setdefault(n, (args, kw)), with_kwargs=True) for n in names]
+    try:
+        block(hidden, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    for name in names:
+        module = block.get_submodule(name)
+        if name not in captured or _channel_weight(module, scales.numel()) is None:
+            return name
+        args, kw = captured[name]
+        probe = copy.deepcopy(module).double()
+        x = args[0].double()
+        s = scales.to(x.device, torch.float64)
+        try:
+            before = _tensors(probe(x, *args[1:], **kw))
+            w = _channel_weight(probe, s.numel())
+            w.copy_(w * s)
+            after = _tensors(probe(x / s, *args[1:], **kw))
+        except (RuntimeError, TypeError, ValueError):
+            return name
+        if len(before) != len(after) or not all(
+                torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+                for a, b in zip(before, after)):
+            return name
+    for name in names:
+        module = block.get_submodule(name)
+        w = _channel_weight(module, scales.numel())
+        w.data.copy_((w.float() * scales.to(w.device)).to(w.dtype))
+    return None
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
 
 
 @torch.no_grad()
@@ -248,45 +318,54 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
     Returns a short description per group for logging.
     """
     search_inputs = _trim(inputs, settings.search_tokens)
-    groups = input_groups(block, linears, inputs.hidden[0], inputs.kwargs[0])
+    groups = input_groups(block, linears, inputs.hidden[0], inputs.kwargs[0], experts_as_linears=True)
     routed = routed_linears(block)
     report = []
     for group in groups:
+        label = "+".join(group.names)
         producer, kind = group.producer, group.producer_kind
         if group.names[0] in routed:
-            # An expert's gate / up read a gather of its routed tokens (no producer of theirs to fold into; the
-            # norm before the router would need the router compensated too). Its down folds into its up, the
-            # scales searched on the expert's own tokens, as AutoAWQ does for Mixtral.
+            # An expert's gate / up read a gather of its routed tokens: their scales come with the experts
+            # module's group (the norm's). Its down folds into its up, the scales searched on the expert's own
+            # tokens, as AutoAWQ does for Mixtral.
             partner = routed_scale_partner(block, group.names[0]) if len(group.names) == 1 else None
             if partner is None or partner not in linears:
-                report.append(f"{'+'.join(group.names)}: routed expert, clip only")
+                report.append(f"{label}: routed expert, no scales of its own")
                 continue
             producer, kind = partner, "linear"
+        names = _scaled_linears(block, group.names, linears)
+        if names is None:
+            report.append(f"{label}: experts not all quantized, clip only")
+            continue
         if producer is None and len(group.names) == 1:
             partner = scale_partner(group.names[0], linears)
             if partner is not None:
                 producer, kind = partner, "linear"
         if producer is None:
-            report.append(f"{'+'.join(group.names)}: no foldable producer, clip only")
+            report.append(f"{label}: no foldable producer, clip only")
             continue
-        if group.other_consumers and producer == group.producer:
-            # dividing the producer's output by the scales would change what those modules compute
-            report.append(f"{'+'.join(group.names)}: {producer} also feeds {', '.join(group.other_consumers)}, "
-                          "clip only")
-            continue
+        # dividing the producer's output by the scales changes what other modules reading it compute, unless
+        # they take the scales back
+        others = group.other_consumers if producer == group.producer else []
         inspect_name = _inspect_module_name(group)
         inspect, records, outputs, x_mean, _ = _capture_group(block, search_inputs, linears, group, inspect_name)
         if x_mean is None:  # an expert the search tokens never reached
-            report.append(f"{'+'.join(group.names)}: no routed search token, clip only")
+            report.append(f"{label}: no routed search token, clip only")
             continue
-        scales, (form, alpha) = _search_scales(inspect, records, outputs, x_mean, linears, group.names, settings)
-        fold_scales(block, linears, group, producer, kind, scales)
-        report.append(f"{'+'.join(group.names)} <- {producer}: {form} alpha={alpha:.2f}")
+        scales, (form, alpha) = _search_scales(inspect, records, outputs, x_mean, linears, names, settings)
         del records, outputs
+        refused = others and _compensate_consumers(block, others, scales, inputs.hidden[0], inputs.kwargs[0])
+        if refused:
+            report.append(f"{label}: {producer} also feeds {refused}, clip only")
+            continue
+        fold_scales(block, linears, names, producer, kind, scales)
+        taken = f" ({', '.join(others)} compensated)" if others else ""
+        report.append(f"{label} <- {producer}: {form} alpha={alpha:.2f}{taken}")
 
     # Clip search on the inputs as they are after every fold.
     for group in groups if settings.clip else ():
-        clip_names = [n for n in group.names if not any(n.rpartition(".")[2] == s for s in NO_CLIP)]
+        # (an experts module's linears clip in their own experts' groups, on their own tokens)
+        clip_names = [n for n in group.names if n in linears and not any(n.rpartition(".")[2] == s for s in NO_CLIP)]
         if not clip_names:
             continue
         _, _, _, _, x = _capture_group(block, _trim(inputs, settings.clip_tokens * 4), linears, group,

@@ -217,8 +217,12 @@ def _is_activation(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.Tensor, kwargs: dict) -> list[InputGroup]:
-    """Run the block once and group its linears by identical input tensor; name the module that produced it."""
+def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.Tensor, kwargs: dict,
+                 experts_as_linears: bool = False) -> list[InputGroup]:
+    """Run the block once and group its linears by identical input tensor (or a view of it: a mixture of experts
+    reshapes the norm's output before its router and experts); name the module that produced it.
+    experts_as_linears: each mixture-of-experts experts module (`routes_tokens`) also joins the group of its input,
+    under its own name, standing for its experts' input-side linears (which see only gathers of that input)."""
     seen_inputs: list[torch.Tensor] = []  # keeps tensors alive so that ids stay unique during the pass
     order: list[tuple[int, str]] = []
     produced: dict[int, list[str]] = {}
@@ -248,7 +252,7 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
     for name, m in block.named_modules():
         if not name:
             continue
-        if name in linears:
+        if name in linears or (experts_as_linears and getattr(m, "routes_tokens", False)):
             handles.append(m.register_forward_pre_hook(pre_hook))
         handles.append(m.register_forward_pre_hook(receive_hook, with_kwargs=True))
         handles.append(m.register_forward_hook(out_hook))
@@ -269,10 +273,18 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
     missing = set(linears) - {n for g in groups.values() for n in g.names}
     if missing:
         logger.warning("linears never called during calibration (left unquantized): %s", sorted(missing))
+    tensors = {id(t): t for t in seen_inputs}
+
+    def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:  # b is a reshaped view of a: the same values
+        return (a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
+                and a.is_contiguous() and b.is_contiguous())
+
     for key, group in groups.items():
-        group.other_consumers = [n for n in dict.fromkeys(received.get(key, [])) if n not in group.names
+        aliases = [key] + [k for k, t in tensors.items() if k != key and same_memory(t, tensors[key])]
+        consumers = [n for k in aliases for n in received.get(k, [])]
+        group.other_consumers = [n for n in dict.fromkeys(consumers) if n not in group.names
                                  and not any(g.startswith(n + ".") for g in group.names)]
-        for cand in produced.get(key, []):
+        for cand in (n for k in aliases for n in produced.get(k, [])):
             module = block.get_submodule(cand)
             kind = ("linear" if cand in linears else "norm" if _is_norm(module)
                     else "activation" if _is_activation(module) else None)
