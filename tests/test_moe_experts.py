@@ -51,19 +51,25 @@ def test_unfused_experts_compute_what_the_fused_ones_do(family):
                                rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_grouped_w4a16_experts_match_one_call_per_expert(family):
+@pytest.mark.parametrize("family,act_order", [(f, False) for f in MOE_FAMILIES] + [("mixtral", True)])
+def test_grouped_w4a16_experts_match_one_call_per_expert(family, act_order):
     """The grouped launch (rows sorted by expert, a tile table) against each expert's own W4A16 layer, prefill and
-    one-token decode, in the model."""
+    one-token decode, in the model; act-order experts (GPTQ desc_act: each row's input gathered in its expert's
+    order) too."""
     model = tiny_model(family, dtype=torch.bfloat16)
-    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32))
+    if act_order:
+        quantize_model(model, W4A16Config(method="gptq", bits=4, group_size=32, desc_act=True),
+                       calibration_ids=torch.randint(1, 100, (4, 16), generator=torch.Generator().manual_seed(0)))
+    else:
+        quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32))
     experts = model.model.layers[0].mlp.experts
     assert all(isinstance(linear, W4A16Linear) for expert in experts for linear in expert.children())
+    assert all((linear.perm is not None) == act_order for expert in experts for linear in expert.children())
     ids, mask = random_batch(2, 12, left_pad=(3,))
     with torch.no_grad(), w4a16_backend("kernel"):
         for batch in ((ids, mask), (ids[:, :1], None)):
             got = model(batch[0], attention_mask=batch[1]).logits.float()
-            assert experts._stacks[2] is not None  # the grouped path ran
+            assert experts._stacks[2] is not None and experts._stacks[2]["act_order"] == act_order  # grouped ran
             per_expert = experts._routed_forward
             experts.forward = per_expert  # one W4A16 call per expert instead
             try:

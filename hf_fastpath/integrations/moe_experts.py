@@ -128,10 +128,16 @@ class UnfusedExperts(nn.ModuleList):
             h = self._fused.act_fn(up)
         return getattr(expert, self.names["down"])(h)
 
+    # act-order experts: the grouped path gathers each row's permuted input ([rows, K] int64 indices), so it runs
+    # up to this many routed rows (decoding, short prefills); longer calls take one call per expert
+    ACT_ORDER_MAX_ROWS = 1024
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         stacks = None
         if not (torch.is_grad_enabled() and hidden_states.requires_grad) and not self.probe_every_expert:
             stacks = self._w4a16_stacks(hidden_states)
+        if stacks is not None and stacks["act_order"] and top_k_index.numel() > self.ACT_ORDER_MAX_ROWS:
+            stacks = None
         if stacks is not None:
             return self._grouped_forward(stacks, hidden_states, top_k_index, top_k_weights)
         return self._routed_forward(hidden_states, top_k_index, top_k_weights)
@@ -154,9 +160,10 @@ class UnfusedExperts(nn.ModuleList):
 
     def _w4a16_stacks(self, x: torch.Tensor):
         """The experts' W4A16 weights as stacks for the grouped kernel, or None where it does not run (float or
-        PEFT-wrapped linears, act-order, activations the kernels do not take): a list of launches, each (stacks of
-        its first projection, output widths, or () for one projection). Gate and up are one launch where their
-        widths allow it. Built once (eagerly) and rebuilt when the layers' tensors were replaced (`model.to(...)`)."""
+        PEFT-wrapped linears, activations the kernels do not take): {"in": launches of the input side, each (stacks
+        of its first projection, output widths, or [] for one projection), "down": (stacks, []), "group_size",
+        "act_order"}. Gate and up are one launch where their widths (and act-order permutations) allow it. Built
+        once (eagerly) and rebuilt when the layers' tensors were replaced (`model.to(...)`)."""
         from ..quantization.linear import W4A16Linear, _kernels
 
         first = getattr(self[0], self.names["up"])
@@ -179,10 +186,13 @@ class UnfusedExperts(nn.ModuleList):
             for stack in (*stacked[0], *stacked[1]):  # the kernel takes scales / zeros in the activations' dtype
                 stack["scales"], stack["zeros"] = stack["scales"].to(x.dtype), stack["zeros"].to(x.dtype)
             widths = [m[0].out_features for m in input_side]
+            perms = [s["perm"] for s in stacked[0]]
+            same_order = all(p is None for p in perms) or all(p is not None and torch.equal(p, perms[0]) for p in perms)
             one_launch = (len(widths) == 2 and self.concatenated and all(s["bias"] is None for s in stacked[0])
-                          and not any(w % _kernels().w4a16_segment_columns() for w in widths))
+                          and not any(w % _kernels().w4a16_segment_columns() for w in widths) and same_order)
             launches = {"in": [(stacked[0][0], widths)] if one_launch else [(s, []) for s in stacked[0]],
-                        "down": (stacked[1][0], []), "group_size": first._effective_group_size}
+                        "down": (stacked[1][0], []), "group_size": first._effective_group_size,
+                        "act_order": any(s["perm"] is not None for s in (*stacked[0], *stacked[1]))}
         self.__dict__["_stacks"] = (first._buffers["qweight"], x.dtype, launches)
         return launches
 
@@ -205,6 +215,8 @@ class UnfusedExperts(nn.ModuleList):
         tables = {}
 
         def project(inputs, stack, widths):
+            if stack["perm"] is not None:  # act-order: each row's input in its expert's order
+                inputs = inputs.gather(1, stack["perm"][expert_of_row])
             n = sum(widths) if widths else stack["qweight"].shape[2]
             block_m = kernels.w4a16_expert_block_m(per_expert, inputs.shape[1], n, group_size)
             if block_m not in tables:

@@ -71,11 +71,13 @@ def fuse_siblings(layers) -> bool:
 def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
     """Projections of every expert of a mixture of experts as stacks for `w4a16_experts_matmul_rows`: `roles` is a
     list of projections (e.g. [gate layers, up layers]), each the E loaded 4-bit `W4A16Linear` layers of one shape.
-    Returns per projection {"qweight": [E, K / 8, N], "scales" / "zeros": [E, G, N], "bias": [E, N] or None}: views
-    of one allocation per tensor kind, expert by expert and within an expert projection by projection (so gate and
-    up of one expert lie back to back, as one segmented launch reads them). Layers not stored so yet are re-stored
-    first (each keeps its own tensors, now views: state_dict, saving and PEFT see nothing new). None where one
-    launch cannot serve them (other bits or shapes, act-order, meta tensors, dtypes or devices that differ)."""
+    Returns per projection {"qweight": [E, K / 8, N], "scales" / "zeros": [E, G, N], "bias": [E, N] or None,
+    "perm": [E, K] or None}: views of one allocation per tensor kind, expert by expert and within an expert
+    projection by projection (so gate and up of one expert lie back to back, as one segmented launch reads them);
+    "perm" (act-order: each expert's input permutation) a stacked copy. Layers not stored so yet are re-stored first
+    (each keeps its own tensors, now views: state_dict, saving and PEFT see nothing new). None where one launch
+    cannot serve them (other bits or shapes, act-order in some layers of a projection only, meta tensors, dtypes or
+    devices that differ)."""
     layers = [m for role in roles for m in role]
     first = layers[0] if layers else None
     if _kernels() is None or not layers or not all(type(m) is W4A16Linear for m in layers) or \
@@ -85,7 +87,7 @@ def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
     for role in roles:
         lead = role[0]
         for m in role:
-            if (m._staging is not None or m.bits != 4 or m.perm is not None or m.qweight.is_meta
+            if (m._staging is not None or m.bits != 4 or (m.perm is None) != (lead.perm is None) or m.qweight.is_meta
                     or (m.in_features, m.out_features) != (lead.in_features, lead.out_features)
                     or m._effective_group_size != first._effective_group_size or m.in_features != first.in_features
                     or (m._parameters["bias"] is not None) != has_bias
@@ -117,6 +119,8 @@ def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
         for stack, role in zip(stacks, roles):
             t0 = getattr(role[0], table)[name].detach()
             stack[name] = t0.as_strided((experts, *t0.shape), (per_expert, *t0.stride()), t0.storage_offset())
+    for stack, role in zip(stacks, roles):
+        stack["perm"] = None if role[0].perm is None else torch.stack([m.perm for m in role])
     return stacks
 
 
