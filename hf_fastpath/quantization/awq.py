@@ -86,12 +86,12 @@ def _trim(batches: BlockInputs, max_tokens: int | None) -> BlockInputs:
 
 @torch.no_grad()
 def _capture_group(block, inputs: BlockInputs, linears, group: InputGroup, inspect_name: str):
-    """Per batch: the inspect module's (args, kwargs) and float output; the channel means of |x|; sampled x rows."""
+    """Per batch: the inspect module's (args, kwargs) and float output; the channel means of |x| (None where the
+    group's first module never ran: an expert no token was routed to)."""
     inspect = block.get_submodule(inspect_name) if inspect_name else block
     first = block.get_submodule(group.names[0])  # a linear, or an experts module: its first argument is x
     records, outputs = [], []
     abs_sum, count = None, 0
-    xs = []
 
     def grab_in(module, args, kwargs):
         records.append((args, kwargs))
@@ -106,7 +106,6 @@ def _capture_group(block, inputs: BlockInputs, linears, group: InputGroup, inspe
         s = x.abs().sum(0)
         abs_sum = s if abs_sum is None else abs_sum + s
         count += x.shape[0]
-        xs.append(x)
 
     handles = [first.register_forward_pre_hook(grab_x)]
     if inspect is block:
@@ -126,9 +125,7 @@ def _capture_group(block, inputs: BlockInputs, linears, group: InputGroup, inspe
                 pass
     for handle in handles:
         handle.remove()
-    if not xs:  # the first linear never ran (an expert no token was routed to)
-        return inspect, records, outputs, None, None
-    return inspect, records, outputs, abs_sum / count, torch.cat(xs)
+    return inspect, records, outputs, None if count == 0 else abs_sum / count
 
 
 @torch.no_grad()
@@ -321,18 +318,36 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
     groups = input_groups(block, linears, inputs.hidden[0], inputs.kwargs[0], experts_as_linears=True)
     routed = routed_linears(block)
     report = []
+    # An expert's gate / up read a gather of its routed tokens: their scales come with the experts module's group
+    # (the norm's). Its down folds into its up, the scales searched on the expert's own tokens, as AutoAWQ does for
+    # Mixtral. Every down's input comes from one pass of the block: no fold changes another group's input (a fold
+    # keeps the float function), so one pass serves E experts where one each would cost E passes.
+    expert_partners = {}
+    for group in groups:
+        if group.names[0] in routed and len(group.names) == 1:
+            partner = routed_scale_partner(block, group.names[0])
+            if partner is not None and partner in linears:
+                expert_partners[group.names[0]] = partner
+    expert_inputs = None
     for group in groups:
         label = "+".join(group.names)
         producer, kind = group.producer, group.producer_kind
         if group.names[0] in routed:
-            # An expert's gate / up read a gather of its routed tokens: their scales come with the experts
-            # module's group (the norm's). Its down folds into its up, the scales searched on the expert's own
-            # tokens, as AutoAWQ does for Mixtral.
-            partner = routed_scale_partner(block, group.names[0]) if len(group.names) == 1 else None
-            if partner is None or partner not in linears:
+            if group.names[0] not in expert_partners:
                 report.append(f"{label}: routed expert, no scales of its own")
                 continue
-            producer, kind = partner, "linear"
+            if expert_inputs is None:
+                expert_inputs = _capture_inputs(block, search_inputs, list(expert_partners))
+            x = expert_inputs.pop(group.names[0])
+            if x is None:
+                report.append(f"{label}: no routed search token, clip only")
+                continue
+            linear = linears[group.names[0]]
+            scales, (form, alpha) = _search_scales(linear, [((x,), {})], [linear(x)], x.float().abs().mean(0),
+                                                   linears, group.names, settings)
+            fold_scales(block, linears, group.names, expert_partners[group.names[0]], "linear", scales)
+            report.append(f"{label} <- {expert_partners[group.names[0]]}: {form} alpha={alpha:.2f}")
+            continue
         names = _scaled_linears(block, group.names, linears)
         if names is None:
             report.append(f"{label}: experts not all quantized, clip only")
@@ -348,7 +363,7 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
         # they take the scales back
         others = group.other_consumers if producer == group.producer else []
         inspect_name = _inspect_module_name(group)
-        inspect, records, outputs, x_mean, _ = _capture_group(block, search_inputs, linears, group, inspect_name)
+        inspect, records, outputs, x_mean = _capture_group(block, search_inputs, linears, group, inspect_name)
         if x_mean is None:  # an expert the search tokens never reached
             report.append(f"{label}: no routed search token, clip only")
             continue
@@ -362,21 +377,40 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
         taken = f" ({', '.join(others)} compensated)" if others else ""
         report.append(f"{label} <- {producer}: {form} alpha={alpha:.2f}{taken}")
 
-    # Clip search on the inputs as they are after every fold.
+    # Clip search on the inputs as they are after every fold, all captured in one pass of the block.
+    clipped = []
     for group in groups if settings.clip else ():
         # (an experts module's linears clip in their own experts' groups, on their own tokens)
-        clip_names = [n for n in group.names if n in linears and not any(n.rpartition(".")[2] == s for s in NO_CLIP)]
-        if not clip_names:
-            continue
-        _, _, _, _, x = _capture_group(block, _trim(inputs, settings.clip_tokens * 4), linears, group,
-                                       group.names[0])
+        names = [n for n in group.names if n in linears and not any(n.rpartition(".")[2] == s for s in NO_CLIP)]
+        if names:
+            clipped.append((group.names[0], names))
+    xs = _capture_inputs(block, _trim(inputs, settings.clip_tokens * 4), [source for source, _ in clipped])
+    for source, names in clipped:
+        x = xs[source]
         if x is None:  # an expert no calibration token was routed to: plain rounding
             continue
-        for n in clip_names:
+        x = x.float()
+        for n in names:
             w = linear_weight(linears[n]).detach().float()
             max_val = _search_clip(w, x, settings)
             set_linear_weight(linears[n], _apply_clip(w, max_val, settings.group_size))
     return report
+
+
+@torch.no_grad()
+def _capture_inputs(block: nn.Module, inputs: BlockInputs, names: list[str]) -> dict[str, torch.Tensor | None]:
+    """The first argument of each named module, rows [T, features] over every batch, from one run of the block;
+    None for a module that never ran (an expert no token was routed to)."""
+    seen = {n: [] for n in names}
+    handles = [block.get_submodule(n).register_forward_pre_hook(
+        lambda module, args, n=n: seen[n].append(args[0].reshape(-1, args[0].shape[-1]))) for n in seen]
+    try:
+        for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
+            block(hidden, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {n: torch.cat(rows) if rows else None for n, rows in seen.items()}
 
 
 class ScaledActivation(nn.Module):
