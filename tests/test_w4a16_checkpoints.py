@@ -154,17 +154,18 @@ def test_quantized_layer_where_the_model_keeps_other_weights_is_an_error(tmp_pat
         load(tmp_path)
 
 
-@pytest.mark.parametrize("family,method", [("mixtral", "gptq"), ("mixtral", "awq"), ("qwen3_moe", "gptq"),
-                                           ("gpt_oss", "gptq")])
-def test_per_expert_checkpoint_loads_into_fused_experts(family, method, tmp_path):
+@pytest.mark.parametrize("family,method,desc_act", [("mixtral", "gptq", False), ("mixtral", "gptq", True),
+                                                    ("mixtral", "awq", False), ("qwen3_moe", "gptq", False),
+                                                    ("gpt_oss", "gptq", False)])
+def test_per_expert_checkpoint_loads_into_fused_experts(family, method, desc_act, tmp_path):
     """A mixture of experts quantized one linear per expert (gptqmodel's and AutoAWQ's layout; Mixtral's under its
-    original `block_sparse_moe.experts.<e>.w1` names) loads onto W4A16 linears although Transformers 5 builds the
-    experts as fused 3-D weights, and computes what the checkpoint says."""
+    original `block_sparse_moe.experts.<e>.w1` names; act-order too) loads onto W4A16 linears although Transformers
+    5 builds the experts as fused 3-D weights, and computes what the checkpoint says."""
     from hf_fastpath.integrations.moe_experts import UnfusedExperts, unfuse_experts
 
     model = tiny_model(family)
     unfuse_experts(model)
-    reference = write_quantized_checkpoint(model, tmp_path, QuantSpec(method))
+    reference = write_quantized_checkpoint(model, tmp_path, QuantSpec(method, desc_act=desc_act))
     if family == "mixtral":
         file = tmp_path / "model.safetensors"
         tensors = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in load_file(str(file)).items()}
@@ -173,7 +174,7 @@ def test_per_expert_checkpoint_loads_into_fused_experts(family, method, tmp_path
     loaded = load(tmp_path)
     experts = loaded.model.layers[1].mlp.experts
     assert isinstance(experts, UnfusedExperts) and len(experts) == 4
-    assert all(isinstance(m, W4A16Linear) for e in experts for m in e.children())
+    assert all(isinstance(m, W4A16Linear) and (m.perm is not None) == desc_act for e in experts for m in e.children())
     ids, mask = random_batch()
     torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=1e-4, atol=1e-4)
 
