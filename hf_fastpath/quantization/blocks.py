@@ -275,9 +275,9 @@ def input_groups(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.
         logger.warning("linears never called during calibration (left unquantized): %s", sorted(missing))
     tensors = {id(t): t for t in seen_inputs}
 
-    def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:  # b is a reshaped view of a: the same values
+    def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:  # b is a view of a, rows regrouped, features kept
         return (a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
-                and a.is_contiguous() and b.is_contiguous())
+                and a.shape[-1] == b.shape[-1] and a.is_contiguous() and b.is_contiguous())
 
     for key, group in groups.items():
         aliases = [key] + [k for k, t in tensors.items() if k != key and same_memory(t, tensors[key])]
