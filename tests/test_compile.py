@@ -181,15 +181,21 @@ def test_w4a16_model_static_cache_generate_compiles_once():
     model = tiny_model("llama", "fastpath", dtype=torch.float16, hidden_size=128, intermediate_size=256)
     quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
     assert hf_fastpath.fuse_projections(model) == 4
+    with w4a16_backend("kernel"):
+        _assert_static_generate_compiles_once(model, max_new_tokens=5)
+
+
+def _assert_static_generate_compiles_once(model, max_new_tokens, after_compiled=lambda: None):
+    """Compiled `generate(cache_implementation="static")` in one graph, with eager generate's tokens and logits."""
     ids, mask = random_batch(2, 5, left_pad=(0, 1), seed=5)
     backend = CountingBackend()
     config = transformers.CompileConfig(fullgraph=True, backend=backend, mode=None)
     config._compile_all_devices = True
-    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-              output_logits=True, cache_implementation="static")
-    with w4a16_backend("kernel"):
-        got = model.generate(ids, compile_config=config, **kw)
-        want = model.generate(ids, disable_compile=True, **kw)
+    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True, cache_implementation="static")
+    got = model.generate(ids, compile_config=config, **kw)
+    after_compiled()
+    want = model.generate(ids, disable_compile=True, **kw)
     assert backend.graphs == 1
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
@@ -227,17 +233,9 @@ def test_w4a16_mixture_of_experts_static_cache_generate_compiles_once():
 
     model = tiny_model("qwen3_moe", "fastpath", dtype=torch.float16)
     quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32, sym=False))
-    ids, mask = random_batch(2, 5, left_pad=(0, 1), seed=5)
-    backend = CountingBackend()
-    config = transformers.CompileConfig(fullgraph=True, backend=backend, mode=None)
-    config._compile_all_devices = True
-    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-              output_logits=True, cache_implementation="static")
+
+    def grouped_launch_ran():
+        assert model.model.layers[0].mlp.experts._stacks[2] is not None
+
     with w4a16_backend("kernel"):
-        got = model.generate(ids, compile_config=config, **kw)
-        assert model.model.layers[0].mlp.experts._stacks[2] is not None  # the grouped launch ran
-        want = model.generate(ids, disable_compile=True, **kw)
-    assert backend.graphs == 1
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+        _assert_static_generate_compiles_once(model, max_new_tokens=4, after_compiled=grouped_launch_ran)
