@@ -165,3 +165,26 @@ def test_awq_scales_experts_from_the_norm_and_each_down_from_its_up(family):
     changed = [e for e in range(4) if not torch.equal(getattr(layers[0].mlp.experts[e], down).weight,
                                                       downs_before[e])]
     assert (changed == []) == (family == "gpt_oss"), changed
+
+
+def test_saving_after_the_grouped_launch_reloads_exactly(tmp_path):
+    """The grouped launch re-stores every expert's tensors as views of one allocation per kind; save_pretrained
+    must still write each expert's own tensors (no shared-memory refusal, nothing lost) and reload them."""
+    import transformers
+
+    import hf_fastpath
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "fp")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp", dtype=torch.bfloat16, quantization_config=hf_fastpath.W4A16Config(method="rtn", group_size=32))
+    ids, mask = random_batch(2, 12)
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad(), w4a16_backend("kernel"):
+        logits = model(ids, attention_mask=mask).logits
+        assert experts._stacks[2] is not None
+        storages = {getattr(e, n).qweight.untyped_storage().data_ptr() for e in experts for n in ("gate_proj", "up_proj")}
+        assert len(storages) == 1  # one allocation behind every expert's gate / up
+        model.save_pretrained(tmp_path / "q")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
+        assert isinstance(reloaded.model.layers[0].mlp.experts, UnfusedExperts)
+        assert torch.equal(reloaded(ids, attention_mask=mask).logits, logits)
