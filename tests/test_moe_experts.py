@@ -127,7 +127,8 @@ def test_experts_without_calibration_tokens_are_rounded(method, caplog):
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_awq_scales_experts_from_the_norm_and_each_down_from_its_up(family):
     """AWQ on unfused experts, the float function kept: all experts' gate / up (and a shared expert's) take one set
-    of scales from the norm before the router, the router taking them back; each expert's down folds into its own up, searched on its own tokens (AutoAWQ's Mixtral treatment), but
+    of scales from the norm before the router, the router taking them back; each expert's down folds into its own
+    up, searched on its own tokens (AutoAWQ's Mixtral treatment), but
     not where down's input is not linear in up (gpt-oss's clamped (up + 1) * glu(gate))."""
     model = tiny_model(family)
     unfuse_experts(model)
@@ -182,7 +183,8 @@ def test_saving_after_the_grouped_launch_reloads_exactly(tmp_path):
     with torch.no_grad(), w4a16_backend("kernel"):
         logits = model(ids, attention_mask=mask).logits
         assert experts._stacks[2] is not None
-        storages = {getattr(e, n).qweight.untyped_storage().data_ptr() for e in experts for n in ("gate_proj", "up_proj")}
+        storages = {getattr(e, n).qweight.untyped_storage().data_ptr() for e in experts
+                    for n in ("gate_proj", "up_proj")}
         assert len(storages) == 1  # one allocation behind every expert's gate / up
         model.save_pretrained(tmp_path / "q")
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
