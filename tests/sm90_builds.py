@@ -1,6 +1,7 @@
-"""Compiles the Triton attention kernels and the W4A16 decode kernel for sm_90 (Hopper) without a GPU and prints one JSON line per build:
-`{"name", "shared"}` (bytes of shared memory) or `{"name", "error"}`. Run with TRITON_INTERPRET unset or 0
-(`tests/test_kernel_builds.py` starts it in a subprocess: the interpreter's `triton.jit` cannot be compiled)."""
+"""Compiles the Triton attention kernels and the W4A16 decode kernel for sm_90 (Hopper) without a GPU and prints
+one JSON line per build: `{"name", "shared"}` (bytes of shared memory) or `{"name", "error"}`. Run with
+TRITON_INTERPRET unset or 0 (`tests/test_kernel_builds.py` starts it in a subprocess: the interpreter's
+`triton.jit` cannot be compiled)."""
 
 from __future__ import annotations
 
