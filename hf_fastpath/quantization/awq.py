@@ -239,8 +239,8 @@ def _compensate_consumers(block: nn.Module, names: list[str], scales: torch.Tens
             h.remove()
     for name in names:
         module = block.get_submodule(name)
-        if name not in captured or _channel_weight(module, scales.numel()) is None:
-            return name
+        if name not in captured or not captured[name][0] or _channel_weight(module, scales.numel()) is None:
+            return name  # (the input passed by keyword: not the first argument this check scales)
         args, kw = captured[name]
         probe = copy.deepcopy(module).double()
         x = args[0].double()
