@@ -267,7 +267,7 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
             # share this input (q/k/v, gate/up) gives the same result as one pass each, with a third of the loops.
             weights = [linear_weight(linears[n]).detach() for n in g.names]
             if acc.nsamples == 0 and g.names[0] in routed:  # an expert no calibration token was routed to
-                idle.append(g.names[0])
+                idle.append("+".join(g.names))
                 q = rtn_quantize(torch.cat(weights).to(device), s.bits, s.group_size, s.sym)
             else:
                 q, loss = acc.quantize(torch.cat(weights), bits=s.bits, group_size=s.group_size, sym=s.sym,
@@ -284,7 +284,7 @@ def _gptq_block(layer: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Mod
                 set_linear_weight(linears[name], qn.dequantize())
                 results[name] = qn
         if idle:
-            logger.info("GPTQ: no calibration token reached %d expert linear(s) (e.g. %s): rounded to nearest",
+            logger.info("GPTQ: no calibration token reached %d expert(s) (e.g. %s): rounded to nearest",
                         len(idle), idle[0])
         del accs
     return results
