@@ -10,8 +10,10 @@ or Gemma-2-9B-shaped (head dim 256, soft caps, sliding window; results to `end_t
 Mistral-7B-shaped (Llama-3-8B's attention with a 4096-token sliding window; `end_to_end_mistral-7b.json`), or
 Falcon-RW-7B-shaped (ALiBi, 64 heads of 64: Transformers' "sdpa" adds a [B, H, S, S] float bias, fastpath passes the
 slopes to its kernels; `end_to_end_falcon-rw-7b.json`), or gpt-oss-20b-shaped (attention sinks; Transformers has no
-"sdpa" for it, so the peer is its default "eager"; `end_to_end_gpt-oss-20b.json`), `--layers`
-decoder layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused).
+"sdpa" for it, so the peer is its default "eager"; `end_to_end_gpt-oss-20b.json`), or the mixtures of experts
+Mixtral-8x7B and Qwen3-30B-A3B (`end_to_end_mixtral-8x7b.json`, `end_to_end_qwen3-30b-a3b.json`), `--layers`
+decoder layers, random bf16 weights, and the same model quantized to W4A16 (RTN, group 128, q/k/v and gate/up fused;
+a mixture of experts' experts too, one launch per projection for all experts).
 Rows (each: sdpa, fastpath, fastpath / sdpa; higher is better everywhere):
 - train: forward + backward (all parameters, loss on every token), tokens/s, 1 x 8192 tokens, and the same tokens
   as 4 packed sequences of 2048 (restarting position_ids, no cache, as a padding-free collator gives them; and with
@@ -57,17 +59,27 @@ NEOX_20B = dict(hidden_size=6144, intermediate_size=24576, num_attention_heads=6
 SMOLLM2_1_7B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
                     vocab_size=49152, tie_word_embeddings=True, rope_theta=130000.0, max_position_embeddings=40960)
 # attention sinks, 64 heads of 64 over 8 KV heads, every other layer a 128-token window, 32 experts top-4
-# (openai/gpt-oss-20b, experts in bf16 here). Transformers has no sdpa for it: the peer is its default, eager.
+# (openai/gpt-oss-20b). Transformers has no sdpa for it: the peer is its default, eager.
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128, vocab_size=201088,
                    max_position_embeddings=40960)
+# mixtures of experts: 8 experts of 14336, top-2 (mistralai/Mixtral-8x7B-v0.1); 128 experts of 768, top-8, 32/4
+# heads of 128 (Qwen/Qwen3-30B-A3B)
+MIXTRAL_8X7B = dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e6,
+                    max_position_embeddings=40960)
+QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                     rope_theta=1e6, max_position_embeddings=40960)
 MODELS = {"llama3-8b": ("llama", LLAMA3_8B, "Llama-3-8B shape, random weights"),
           "smollm2-1.7b": ("llama", SMOLLM2_1_7B, "SmolLM2-1.7B shape (head dim 64), random weights"),
           "neox-20b": ("gpt_neox", NEOX_20B, "GPT-NeoX-20B shape (head dim 96), random weights"),
           "gemma2-9b": ("gemma2", GEMMA2_9B, "Gemma-2-9B shape, random weights"),
           "mistral-7b": ("mistral", MISTRAL_7B, "Mistral-7B shape (sliding window 4096), random weights"),
           "falcon-rw-7b": ("falcon", FALCON_RW_7B, "Falcon-RW-7B shape (ALiBi, head dim 64), random weights"),
-          "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "gpt-oss-20b shape (sinks, window 128, 32 experts), random weights")}
+          "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "gpt-oss-20b shape (sinks, window 128, 32 experts), random weights"),
+          "mixtral-8x7b": ("mixtral", MIXTRAL_8X7B, "Mixtral-8x7B shape (8 experts, top-2), random weights"),
+          "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B, "Qwen3-30B-A3B shape (128 experts, top-8), random weights")}
 # the attention each model is timed against: what Transformers gives it by default
 PEERS = {"gpt-oss-20b": "eager"}
 IMPLS = ("sdpa", "fastpath")  # (peer, ours): main() sets the peer from --model
