@@ -79,6 +79,37 @@ def test_grouped_w4a16_experts_match_one_call_per_expert(family, act_order):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+def test_grouped_experts_drop_rows_routed_to_another_ranks_experts(monkeypatch):
+    """Under expert parallelism Transformers routes to index E for experts held elsewhere: those rows add nothing
+    (the launch leaves rows no tile covers unwritten: NaN here), as in the per-expert path."""
+    from hf_fastpath.kernels import w4a16
+
+    launch = w4a16.w4a16_experts_matmul_rows
+
+    def unwritten_as_nan(x2, qweight, scales, zeros, group_size, tiles, *args, **kwargs):
+        out = launch(x2, qweight, scales, zeros, group_size, tiles, *args, **kwargs)
+        covered = torch.zeros(out.shape[0], dtype=torch.bool)
+        for _, lo, hi in tiles.tolist():
+            covered[lo:hi] = True
+        return out.masked_fill(~covered[:, None], float("nan"))
+
+    monkeypatch.setattr(w4a16, "w4a16_experts_matmul_rows", unwritten_as_nan)
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    quantize_model(model, W4A16Config(method="rtn", bits=4, group_size=32))
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    index[::2, 1] = len(experts)  # every other token's second expert lives on another rank
+    weights = torch.softmax(torch.randn(6, 2, generator=gen), 1).to(torch.bfloat16)
+    with torch.no_grad(), w4a16_backend("kernel"):
+        got = experts(x, index, weights).float()
+        assert experts._stacks[2] is not None
+        want = experts._routed_forward(x, index, weights).float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_true_sequential_gptq_takes_one_stage_per_expert_role():
     groups = [InputGroup(["self_attn.q_proj", "self_attn.k_proj"]), InputGroup(["self_attn.o_proj"]),
               *[g for e in range(3) for g in (InputGroup([f"mlp.experts.{e}.w1", f"mlp.experts.{e}.w3"]),

@@ -238,6 +238,8 @@ class UnfusedExperts(nn.ModuleList):
                 both = torch.cat((gate, up), -1) if self.concatenated else torch.stack((gate, up), -1).flatten(-2)
             h = self._fused._apply_gate(both)
         y = project(h.contiguous(), *launches["down"]).float() * top_k_weights.reshape(-1)[order, None].float()
+        # rows routed to index E (experts another rank holds, under expert parallelism) are in no tile: unwritten
+        y = torch.where((expert_of_row < experts)[:, None], y, 0.0)
         in_token_order = torch.empty_like(y)
         in_token_order[order] = y
         return in_token_order.view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
