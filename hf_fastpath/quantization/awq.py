@@ -85,7 +85,7 @@ def _trim(batches: BlockInputs, max_tokens: int | None) -> BlockInputs:
 
 
 @torch.no_grad()
-def _capture_group(block, inputs: BlockInputs, linears, group: InputGroup, inspect_name: str):
+def _capture_group(block, inputs: BlockInputs, group: InputGroup, inspect_name: str):
     """Per batch: the inspect module's (args, kwargs) and float output; the channel means of |x| (None where the
     group's first module never ran: an expert no token was routed to)."""
     inspect = block.get_submodule(inspect_name) if inspect_name else block
@@ -363,9 +363,9 @@ def awq_block(block: nn.Module, inputs: BlockInputs, linears: dict[str, nn.Modul
         # they take the scales back
         others = group.other_consumers if producer == group.producer else []
         inspect_name = _inspect_module_name(group)
-        inspect, records, outputs, x_mean = _capture_group(block, search_inputs, linears, group, inspect_name)
-        if x_mean is None:  # an expert the search tokens never reached
-            report.append(f"{label}: no routed search token, clip only")
+        inspect, records, outputs, x_mean = _capture_group(block, search_inputs, group, inspect_name)
+        if x_mean is None:  # the group's first module never ran on the search tokens
+            report.append(f"{label}: no search token reached it, clip only")
             continue
         scales, (form, alpha) = _search_scales(inspect, records, outputs, x_mean, linears, names, settings)
         del records, outputs
