@@ -199,7 +199,7 @@ class UnfusedExperts(nn.ModuleList):
     def _grouped_forward(self, launches, hidden_states, top_k_index, top_k_weights):
         """All experts in one W4A16 launch per projection (gate and up in one where they fit): rows sorted by
         expert, a fixed-size tile table (no host sync, so CUDA graphs and torch.compile fullgraph hold), results
-        put back in token order and summed over the top-k in fp32 (deterministic: no atomics)."""
+        put back in token order and summed over the top-k with fp32 accumulation (deterministic: no atomics)."""
         from ..kernels import w4a16_ops
         from ..quantization.linear import _kernels
 
@@ -207,7 +207,8 @@ class UnfusedExperts(nn.ModuleList):
         tokens, top_k = top_k_index.shape
         experts = len(self)
         expert_of_row, order = torch.sort(top_k_index.reshape(-1), stable=True)
-        x = hidden_states[order // top_k].contiguous()
+        gather_expert = expert_of_row.clamp(max=experts - 1)  # index E: another rank's experts (no tile computes it)
+        x = hidden_states.index_select(0, order // top_k)
         rows = x.shape[0]
         offsets = torch.searchsorted(expert_of_row, torch.arange(experts + 1, device=x.device))
         per_expert = -(-rows // min(experts, rows))
@@ -216,7 +217,7 @@ class UnfusedExperts(nn.ModuleList):
 
         def project(inputs, stack, widths):
             if stack["perm"] is not None:  # act-order: each row's input in its expert's order
-                inputs = inputs.gather(1, stack["perm"][expert_of_row])
+                inputs = inputs.gather(1, stack["perm"].index_select(0, gather_expert))
             n = sum(widths) if widths else stack["qweight"].shape[2]
             block_m = kernels.w4a16_expert_block_m(per_expert, inputs.shape[1], n, group_size)
             if block_m not in tables:
@@ -225,7 +226,7 @@ class UnfusedExperts(nn.ModuleList):
                     per_expert, widths)
             y = w4a16_ops.w4a16_experts_op(*args) if torch.compiler.is_compiling() else \
                 kernels.w4a16_experts_matmul_rows(*args)
-            return y if stack["bias"] is None else y + stack["bias"][expert_of_row].to(y.dtype)
+            return y if stack["bias"] is None else y + stack["bias"].index_select(0, gather_expert).to(y.dtype)
 
         outs = [project(x, stack, widths) for stack, widths in launches["in"]]
         if not self.has_gate:
@@ -237,12 +238,15 @@ class UnfusedExperts(nn.ModuleList):
                 gate, up = outs
                 both = torch.cat((gate, up), -1) if self.concatenated else torch.stack((gate, up), -1).flatten(-2)
             h = self._fused._apply_gate(both)
-        y = project(h.contiguous(), *launches["down"]).float() * top_k_weights.reshape(-1)[order, None].float()
-        # rows routed to index E (experts another rank holds, under expert parallelism) are in no tile: unwritten
-        y = torch.where((expert_of_row < experts)[:, None], y, 0.0)
-        in_token_order = torch.empty_like(y)
-        in_token_order[order] = y
-        return in_token_order.view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
+        y = project(h.contiguous(), *launches["down"])
+        # Back in token order (a gather by the inverse permutation), rows routed to index E (another rank's experts,
+        # under expert parallelism: in no tile, so unwritten) zeroed, then the top-k weighted sum as one [1, k] x
+        # [k, H] product per token: fp32 accumulation, deterministic, no fp32 copy of the rows.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = y.index_select(0, inverse).view(tokens, top_k, -1)
+        y = torch.where((top_k_index < experts)[..., None], y, 0)
+        return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
 
     def extra_repr(self) -> str:
         return f"fused={type(self._fused).__name__}, names={tuple(self.names.values())}"
