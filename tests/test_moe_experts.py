@@ -222,3 +222,17 @@ def test_saving_after_the_grouped_launch_reloads_exactly(tmp_path):
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
         assert isinstance(reloaded.model.layers[0].mlp.experts, UnfusedExperts)
         assert torch.equal(reloaded(ids, attention_mask=mask).logits, logits)
+
+
+def test_per_expert_path_under_cuda_graph_capture_is_a_clear_error(monkeypatch):
+    """One call per expert reads the routing on the host (`.tolist()`): inside a CUDA graph capture that would fail
+    with a bare CUDA error; it says what to change instead."""
+    model = tiny_model("mixtral")
+    unfuse_experts(model)
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(3, model.config.hidden_size)
+    index, weights = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.full((3, 2), 0.5)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph cannot capture that.*W4A16Linear"):
+        experts(x, index, weights)

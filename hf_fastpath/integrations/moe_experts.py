@@ -144,6 +144,12 @@ class UnfusedExperts(nn.ModuleList):
 
     def _routed_forward(self, hidden_states, top_k_index, top_k_weights):
         """One call per expert that received tokens (any linears; training; the reference for the grouped path)."""
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "UnfusedExperts: these experts run one call per routed expert, which reads the routing on the host: "
+                "a CUDA graph cannot capture that. The grouped path, which can, needs the experts as 4-bit "
+                "W4A16Linear layers (group size dividing in_features, no PEFT wrapper) and fp16 / bf16 activations; "
+                "else run this model without CUDA graphs.")
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         with torch.no_grad():
             # a column per expert, plus one for the sentinel index E (experts held by another rank)
