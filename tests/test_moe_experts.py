@@ -106,6 +106,7 @@ def test_grouped_experts_drop_rows_routed_to_another_ranks_experts(monkeypatch):
         got = experts(x, index, weights).float()
         assert experts._stacks[2] is not None
         want = experts._routed_forward(x, index, weights).float()
+        assert experts(x[:0], index[:0], weights[:0]).shape == (0, x.shape[1])  # no token at all
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 

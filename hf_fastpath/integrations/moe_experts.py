@@ -217,7 +217,7 @@ class UnfusedExperts(nn.ModuleList):
         x = hidden_states.index_select(0, order // top_k)
         rows = x.shape[0]
         offsets = torch.searchsorted(expert_of_row, torch.arange(experts + 1, device=x.device))
-        per_expert = -(-rows // min(experts, rows))
+        per_expert = -(-rows // max(1, min(experts, rows)))
         group_size = launches["group_size"]
         tables = {}
 
@@ -250,7 +250,7 @@ class UnfusedExperts(nn.ModuleList):
         # [k, H] product per token: fp32 accumulation, deterministic, no fp32 copy of the rows.
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = y.index_select(0, inverse).view(tokens, top_k, -1)
+        y = y.index_select(0, inverse).view(tokens, top_k, y.shape[-1])
         y = torch.where((top_k_index < experts)[..., None], y, 0)
         return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
 
