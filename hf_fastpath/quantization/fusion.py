@@ -57,15 +57,29 @@ def fuse_siblings(layers) -> bool:
     if kernels.w4a16_back_to_back([(m.qweight, m.scales, m.zeros) for m in layers]):
         return True
     for name in ("qweight", "scales", "zeros"):
-        flat = torch.cat([m._buffers[name].reshape(-1) for m in layers])
-        start = 0
-        for m in layers:
-            old = m._buffers[name]
-            m._buffers[name] = flat[start:start + old.numel()].view(old.shape)
-            start += old.numel()
+        _store_back_to_back(layers, name)
     if not kernels.w4a16_back_to_back([(m.qweight, m.scales, m.zeros) for m in layers]):
         raise RuntimeError("fuse_siblings: the re-stored layers are not back to back (a bug)")
     return True
+
+
+def _store_back_to_back(layers, name: str) -> None:
+    """Re-store tensor `name` of each layer (a buffer, or the bias parameter) as consecutive views of one
+    allocation, in the layers' order, unless they already lie so."""
+    table = "_parameters" if name == "bias" else "_buffers"
+    tensors = [getattr(m, table)[name] for m in layers]
+    offset, in_place = tensors[0].data_ptr(), True
+    for t in tensors:
+        in_place = in_place and t.is_contiguous() and t.data_ptr() == offset
+        offset += t.numel() * t.element_size()
+    if in_place:
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    start = 0
+    for m, t in zip(layers, tensors):
+        view = flat[start:start + t.numel()].view(t.shape)
+        getattr(m, table)[name] = nn.Parameter(view, t.requires_grad) if table == "_parameters" else view
+        start += t.numel()
 
 
 def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
@@ -97,24 +111,13 @@ def stack_experts(roles) -> list[dict[str, torch.Tensor]] | None:
     experts = len(roles[0])
     order = [role[e] for e in range(experts) for role in roles]  # storage order: expert-major
     stacks = [{} for _ in roles]
-    for name, table in (("qweight", "_buffers"), ("scales", "_buffers"), ("zeros", "_buffers"),
-                        ("bias", "_parameters")):
+    for name in ("qweight", "scales", "zeros", "bias"):
         if name == "bias" and not has_bias:
             for stack in stacks:
                 stack[name] = None
             continue
-        tensors = [getattr(m, table)[name] for m in order]
-        starts, offset = [], tensors[0].data_ptr()
-        for t in tensors:
-            starts.append(t.data_ptr() == offset and t.is_contiguous())
-            offset += t.numel() * t.element_size()
-        if not all(starts):
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            start = 0
-            for m, t in zip(order, tensors):
-                view = flat[start:start + t.numel()].view(t.shape)
-                getattr(m, table)[name] = nn.Parameter(view, t.requires_grad) if name == "bias" else view
-                start += t.numel()
+        _store_back_to_back(order, name)
+        table = "_parameters" if name == "bias" else "_buffers"
         per_expert = sum(getattr(role[0], table)[name].numel() for role in roles)
         for stack, role in zip(stacks, roles):
             t0 = getattr(role[0], table)[name].detach()
