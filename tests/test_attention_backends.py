@@ -300,7 +300,8 @@ def test_gluon_backend_takes_dense_hopper_calls_only(install, monkeypatch):
     assert why(q, k, v, plain._replace(alibi_slopes=torch.ones(4))) is None
     assert why(q, k, v, plain._replace(alibi_slopes=torch.ones(2, 4))) is None
     assert "static-cache" in why(q, k, v, plain._replace(seqused_k=torch.full((2,), 12)))
-    # varlen: only with queries and keys packed alike, which it can tell only from one cu_seqlens tensor for both
+    # varlen: packed alike (one cu_seqlens tensor for both) as packed segments; packed differently with sequences of
+    # GLUON_VARLEN_MIN_QUERIES queries on average (test_gluon_varlen_packed_differently_limits)
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     cu = torch.tensor([0, 5, 24], dtype=torch.int32)
     assert why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu)) is None
@@ -308,7 +309,7 @@ def test_gluon_backend_takes_dense_hopper_calls_only(install, monkeypatch):
     assert why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu, alibi_slopes=torch.ones(4))) is None
     assert "per-sequence ALiBi" in why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                             alibi_slopes=torch.ones(2, 4)))
-    assert "one tensor as both" in why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu.clone()))
+    assert "fewer than" in why(*flat, plain._replace(cu_seqlens_q=cu, cu_seqlens_k=cu.clone()))
     install(capability=(8, 0))
     assert "Hopper" in gluon.missing()
     with pytest.raises(BackendUnavailable, match="gluon.*Hopper"):
@@ -384,12 +385,13 @@ def test_auto_runs_gluon_only_where_it_measured_fastest(install, monkeypatch):
     assert seen == [(q.shape, False, True, False), (q.shape, False, False, True)]
 
 
-def _triton_as_gluon_forward(q, k, v, key_mask, segments, slopes, causal, scale, left, right, cap):
+def _triton_as_gluon_forward(q, k, v, key_mask, segments, cu_q, cu_k, slopes, causal, scale, left, right, cap):
     """`ops._gluon_forward`'s stand-in off-GPU: the interpreted Triton forward on the same arguments."""
     from hf_fastpath.kernels.flash_attention import flash_attention_forward
 
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, key_mask=key_mask, segments=segments,
-                                   window_size=(left, right), softcap=cap, alibi_slopes=slopes)
+                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=(left, right), softcap=cap,
+                                   alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("path", ["eager", "op"])
@@ -406,11 +408,17 @@ def test_gluon_op_shapes_and_gradients(monkeypatch, mask, path):
 
     with FakeTensorMode():
         q, k = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16), torch.empty(2, 7, 2, 64, dtype=torch.bfloat16)
-        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, None, None, None, True, 0.125, 3, -1, 0.0)
-        dq, dk, dv = torch.ops.hf_fastpath.gluon_attn_backward(q, q, k, k, q, lse, None, None, None, True, 0.125, 3,
-                                                               -1, 0.0)
+        out, lse = torch.ops.hf_fastpath.gluon_attn_forward(q, k, k, None, None, None, None, None, True, 0.125, 3,
+                                                            -1, 0.0)
+        dq, dk, dv = torch.ops.hf_fastpath.gluon_attn_backward(q, q, k, k, q, lse, None, None, None, None, None, True,
+                                                               0.125, 3, -1, 0.0)
+        cu = torch.empty(3, dtype=torch.int32)
+        q3, k3 = q.flatten(0, 1), k.flatten(0, 1)
+        out3, lse3 = torch.ops.hf_fastpath.gluon_attn_forward(q3, k3, k3, None, None, cu, cu, None, True, 0.125, 3,
+                                                              -1, 0.0)
     assert out.shape == q.shape and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    assert out3.shape == q3.shape and lse3.shape == (4, 10)  # varlen: lse [H, T]
 
     monkeypatch.setattr(ops, "_gluon_forward", _triton_as_gluon_forward)
     q, k, v = (t.float().detach().requires_grad_() for t in _qkv(b=2, s=9, hq=4, hkv=2, d=32))
@@ -425,8 +433,8 @@ def test_gluon_op_shapes_and_gradients(monkeypatch, mask, path):
         assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
     else:
         left, right = params.window_size
-        out, _ = ops.gluon_attn_forward(q, k, v, params.key_mask, params.segments, params.alibi_slopes, True, 0.3,
-                                        left, right, float(params.softcap))
+        out, _ = ops.gluon_attn_forward(q, k, v, params.key_mask, params.segments, None, None, params.alibi_slopes,
+                                        True, 0.3, left, right, float(params.softcap))
         assert "_EagerAttention" not in type(out.grad_fn).__name__
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
@@ -474,6 +482,56 @@ def test_gluon_runs_one_packing_varlen_as_packed_segments(monkeypatch, features)
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
     # the packed table is made once per cu_seqlens tensor (every layer passes the same one)
     assert backends._as_segments(params, 20).segments is backends._as_segments(params, 20).segments
+
+
+@pytest.mark.parametrize("features", [dict(causal=True), dict(causal=False), dict(causal=True, window_size=(3, 0)),
+                                      dict(causal=False, window_size=(2, 1), softcap=1.5)])
+def test_gluon_runs_varlen_packed_differently(monkeypatch, features):
+    # queries and keys packed by different offsets (chunked prefill: each sequence's new queries after its cached
+    # keys; an empty sequence, one with more queries than keys, one with no key) reach the Gluon kernels with their
+    # cu_seqlens, forward and backward; the LSE comes back as [H, T]. The interpreted Triton kernels stand in for the
+    # Gluon ones (tests/gpu runs those; tests/test_gluon_varlen.py checks the masks they are given)
+    from hf_fastpath.attention import ops
+
+    monkeypatch.setattr(ops, "_gluon_forward", _triton_as_gluon_forward)
+    cu_q = torch.tensor([0, 3, 3, 8, 10, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 11, 14, 14, 20], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(12, 4, 32, generator=g).requires_grad_()
+    k, v = (torch.randn(20, 2, 32, generator=g).requires_grad_() for _ in range(2))
+    params = make_params(q, k, v, softmax_scale=0.3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
+                         max_seqlen_k=9, **features)
+    req = backends.Request.of(q, k, v, params)
+    assert not req.one_packing and req.q_tokens == 12
+    out, lse = backends.GluonBackend().run(q, k, v, params, 0.0, True)
+    dout = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want_out, want_lse = reference.attention_forward(q64, k64, v64, **params.kernel_kwargs())
+    want = torch.autograd.grad(want_out, (q64, k64, v64), dout.double())
+    assert lse.shape == want_lse.shape == (4, 12)
+    torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
+    seen = want_lse.isfinite()
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=2e-3, rtol=2e-3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+
+
+def test_gluon_varlen_packed_differently_limits():
+    # differently packed varlen calls: not with ALiBi (distances shift per sequence), not with short query chunks on
+    # average (a 128-row query tile would load the keys of every sequence it spans); packed alike: both fine
+    q, k = torch.empty(4 * 200, 4, 64, dtype=torch.bfloat16), torch.empty(4 * 300, 2, 64, dtype=torch.bfloat16)
+    cu_q, cu_k = torch.arange(5, dtype=torch.int32) * 200, torch.arange(5, dtype=torch.int32) * 300
+
+    def why(q, cu_q, **kw):
+        p = make_params(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, **kw)
+        req = backends.Request.of(q, k, k, p)._replace(capability=(9, 0))
+        return backends.GluonBackend().unsupported(req)
+
+    assert why(q, cu_q) is None
+    assert "ALiBi" in why(q, cu_q, alibi_slopes=torch.rand(4))
+    short = q[:4 * 100]
+    assert str(backends.GLUON_VARLEN_MIN_QUERIES) in why(short, torch.arange(5, dtype=torch.int32) * 100)
 
 
 @pytest.fixture

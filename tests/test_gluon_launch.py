@@ -188,6 +188,35 @@ def test_backward_variant_launches(launches, d, variant):
     _check_descriptor(args["q_desc"], q, cfg.block_m[d], d, False)
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_launches(launches, d, causal):
+    # queries and keys packed differently: one [1, T] row of packed segments whose bounds carry causality and the
+    # window (`varlen_spans`), the per-query table in the forward, the per-key table in the backward
+    cu_q, cu_k = torch.tensor([0, 40, 40, 90], dtype=torch.int32), torch.tensor([0, 100, 130, 230], dtype=torch.int32)
+    q = torch.randn(90, 4, d).to(torch.bfloat16)
+    k, v = (torch.randn(230, 2, d).to(torch.bfloat16) for _ in range(2))
+    kw = dict(causal=causal, window_size=(64, -1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = ga.gluon_attention_forward(q, k, v, **kw)
+    assert out.shape == q.shape and lse.shape == (4, 90)
+    per_query, per_key = ga.varlen_spans(cu_q, cu_k, 90, 230, causal, (64, -1))
+    args = _bound(launches[-1])
+    tile = ga.tile_dim(d)
+    assert (args["MASK_MODE"], args["CAUSAL"], args["WINDOW"], args["seq_q"], args["seq_k"]) == (2, False, False,
+                                                                                                 90, 230)
+    assert torch.equal(args["km_ptr"], per_query) and args["km_plane"] == per_query.stride(0)
+    _check_descriptor(args["q_desc"], q, ga.ROWS_PER_WARPGROUP, tile, tile != d)
+    _check_descriptor(args["k_desc"], k, ga.config(tile, False, packed=True).block_n, tile, tile != d)
+
+    dq, dk, dv = gb.gluon_attention_backward(torch.randn_like(q), q, k, v, out, lse, **kw)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    args = _bound(launches[-1])
+    assert (args["MASK_MODE"], args["CAUSAL"], args["WINDOW"], args["seq_q"], args["seq_k"]) == (2, False, False,
+                                                                                                 90, 230)
+    assert torch.equal(args["km_ptr"], per_key) and args["km_plane"] == per_key.stride(0)
+    assert args["dk_ptr"].data_ptr() == dk.data_ptr() and args["dq_turns"] is None
+
+
 @pytest.mark.parametrize("m", [1, 20, 50, 130])
 @pytest.mark.parametrize("group_size", [32, 128, 256])
 @pytest.mark.parametrize("n", [256, 264])

@@ -77,6 +77,7 @@ class Request(NamedTuple):
     heads: int = 1
     kv_heads: int = 1
     one_packing: bool = False  # varlen with one cu_seqlens tensor for queries and keys (packed self-attention)
+    q_tokens: int = 1  # all the call's queries (varlen: T)
 
     @classmethod
     def of(cls, q, k, v, params: AttentionParams, dropout_p=0.0, return_lse=False):
@@ -90,7 +91,8 @@ class Request(NamedTuple):
                    params.key_mask is not None or params.segments is not None, params.seqused_k is not None,
                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), return_lse,
                    batch, q_len, kv_len, q.shape[-2], k.shape[-2],
-                   params.varlen and params.cu_seqlens_q is params.cu_seqlens_k and q.shape[0] == k.shape[0])
+                   params.varlen and params.cu_seqlens_q is params.cu_seqlens_k and q.shape[0] == k.shape[0],
+                   q.shape[0] if params.varlen else batch * q_len)
 
 
 def _alibi_dims(params: AttentionParams) -> int:
@@ -345,11 +347,18 @@ def _gluon_importable() -> bool:
     return HAS_GLUON
 
 
+# varlen calls with queries and keys packed differently and fewer queries a sequence than this (decode-like chunks)
+# stay on Triton, whose programs take one sequence each: a Gluon query tile (128 rows) would span several sequences
+GLUON_VARLEN_MIN_QUERIES = 128
+
+
 class GluonBackend:
     """Our Gluon FlashAttention for Hopper (`kernels/gluon_attention.py` and `gluon_attention_bwd.py`: warp-specialized,
     TMA, wgmma): dense calls at head dim 64, 128 or 256, or a multiple of 8 between them run at the next of those
     (`tile_dim`), causal or not, with or without a padding mask or packed segments, a sliding window, a soft-cap or
-    ALiBi, and varlen calls whose queries and keys share one cu_seqlens tensor (as packed segments); "auto" runs it
+    ALiBi, and varlen calls: queries and keys sharing one cu_seqlens tensor as packed segments, packed differently
+    (chunked prefill) through `varlen_spans`, without ALiBi and with sequences of GLUON_VARLEN_MIN_QUERIES queries
+    or more on average; "auto" runs it
     where the measured table says it beats SDPA and our Triton kernel. Under `torch.use_deterministic_algorithms(True)`
     its backward adds dQ in a fixed order at hd128 tiles or with a soft-cap, and is the Triton one otherwise (faster
     there, or past hd128 the only deterministic one: `ops._gluon_backward`)."""
@@ -383,8 +392,13 @@ class GluonBackend:
             return (f"supports head dims {', '.join(map(str, HEAD_DIMS))} and multiples of 8 between them, got "
                     f"{req.head_dim}")
         if req.varlen and not req.one_packing:
-            return ("takes varlen inputs only with queries and keys packed alike: pass one tensor as both "
-                    "cu_seqlens_q and cu_seqlens_k")
+            if req.alibi:
+                return ("takes ALiBi in varlen calls only with queries and keys packed alike: pass one tensor as "
+                        "both cu_seqlens_q and cu_seqlens_k")
+            if req.q_tokens < GLUON_VARLEN_MIN_QUERIES * req.batch:
+                # a query tile then spans several sequences and loads all of their keys
+                return (f"leaves varlen calls with fewer than {GLUON_VARLEN_MIN_QUERIES} queries a sequence on "
+                        f"average (queries and keys packed differently) to the Triton kernel")
         if req.varlen and req.alibi == 2:
             return ("takes per-sequence ALiBi slopes ([batch, heads]) only in dense calls; pass slopes per head "
                     "([heads])")
@@ -396,7 +410,7 @@ class GluonBackend:
     def run(self, q, k, v, p: AttentionParams, dropout_p, return_lse):
         from .ops import gluon_attn
 
-        if p.varlen:  # queries and keys packed alike: one row of packed segments
+        if p.varlen and p.cu_seqlens_q is p.cu_seqlens_k and q.shape[0] == k.shape[0]:  # one row of segments
             out, lse = gluon_attn(q[None], k[None], v[None], _as_segments(p, q.shape[0]))
             return out[0], (lse[0] if return_lse else None)
         out, lse = gluon_attn(q, k, v, p)

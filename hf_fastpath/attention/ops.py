@@ -175,7 +175,7 @@ def flash_attn_with_sinks(q, k, v, sinks, params: AttentionParams):
 
 # ----------------------------------------------------------------------------------------------------------------
 # The Gluon kernels (Hopper): dense calls, causal or not, with or without a key mask or packed segments, a sliding
-# window, a soft-cap or ALiBi.
+# window, a soft-cap or ALiBi; varlen calls without ALiBi.
 
 
 GLUON_BUILD_ERRORS: list[str] = []  # a Gluon kernel that failed to build here: "auto" stops choosing Gluon
@@ -195,25 +195,29 @@ def _gluon_or_triton(gluon_call, triton_call):
     return triton_call()
 
 
-def _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap):
+def _gluon_kwargs(key_mask, segments, cu_seqlens_q, cu_seqlens_k, alibi_slopes, causal, softmax_scale, window_left,
+                  window_right, softcap):
     return dict(causal=causal, softmax_scale=softmax_scale, key_mask=key_mask, segments=segments,
-                window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes)
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window_size=(window_left, window_right),
+                softcap=softcap, alibi_slopes=alibi_slopes)
 
 
-def _gluon_forward(q, k, v, key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right,
-                   softcap):
+def _gluon_forward(q, k, v, key_mask, segments, cu_seqlens_q, cu_seqlens_k, alibi_slopes, causal, softmax_scale,
+                   window_left, window_right, softcap):
     from ..kernels.gluon_attention import gluon_attention_forward
 
-    masks = _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap)
+    masks = _gluon_kwargs(key_mask, segments, cu_seqlens_q, cu_seqlens_k, alibi_slopes, causal, softmax_scale,
+                          window_left, window_right, softcap)
     return _gluon_or_triton(partial(gluon_attention_forward, q, k, v, **masks),
                             partial(flash_attention_forward, q, k, v, **masks))
 
 
-def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, causal, softmax_scale, window_left,
-                    window_right, softcap):
+def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, cu_seqlens_q, cu_seqlens_k, alibi_slopes, causal,
+                    softmax_scale, window_left, window_right, softcap):
     from ..kernels.gluon_attention_bwd import deterministic_supported, gluon_attention_backward, supported
 
-    masks = _gluon_kwargs(key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap)
+    masks = _gluon_kwargs(key_mask, segments, cu_seqlens_q, cu_seqlens_k, alibi_slopes, causal, softmax_scale,
+                          window_left, window_right, softcap)
     triton_call = partial(flash_attention_backward, dout.contiguous(), q, k, v, out, lse, **masks)
     # torch.use_deterministic_algorithms(True): the Gluon dQ tiles then meet in a fixed order, 0.75-0.98x its default
     # speed. Against the (atomic-free) Triton backward that is 0.95-1.78x at hd128 tiles (1.06-1.16x but for causal
@@ -222,7 +226,8 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, c
     # supported: e.g. Sq * Hq * D past 32-bit dQ offsets
     deterministic = torch.are_deterministic_algorithms_enabled()
     head_dim = q.shape[-1]
-    triton_when_deterministic = not deterministic_supported(head_dim) or (head_dim <= 64 and not softcap > 0)
+    triton_when_deterministic = (not deterministic_supported(head_dim) or (head_dim <= 64 and not softcap > 0)
+                                 or cu_seqlens_q is not None)
     if not supported(dout, q, k, v, causal) or (deterministic and triton_when_deterministic):
         return triton_call()
     return _gluon_or_triton(partial(gluon_attention_backward, dout, q, k, v, out, lse, deterministic=deterministic,
@@ -231,24 +236,28 @@ def _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, c
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_forward", mutates_args=())
 def gluon_attn_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], segments: Optional[Tensor],
-                       alibi_slopes: Optional[Tensor], causal: bool, softmax_scale: float, window_left: int,
-                       window_right: int, softcap: float) -> tuple[Tensor, Tensor]:
-    return _gluon_forward(q, k, v, key_mask, segments, alibi_slopes, causal, softmax_scale, window_left, window_right,
-                          softcap)
+                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                       causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                       softcap: float) -> tuple[Tensor, Tensor]:
+    return _gluon_forward(q, k, v, key_mask, segments, cu_seqlens_q, cu_seqlens_k, alibi_slopes, causal,
+                          softmax_scale, window_left, window_right, softcap)
 
 
 @gluon_attn_forward.register_fake
-def _(q, k, v, key_mask, segments, *args):
+def _(q, k, v, key_mask, segments, cu_seqlens_q, *args):
+    if cu_seqlens_q is not None:  # [T, H, D] -> lse [H, T]
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("hf_fastpath::gluon_attn_backward", mutates_args=())
 def gluon_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        key_mask: Optional[Tensor], segments: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                        causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                        key_mask: Optional[Tensor], segments: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                        cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor], causal: bool,
+                        softmax_scale: float, window_left: int, window_right: int,
                         softcap: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, causal, softmax_scale,
-                           window_left, window_right, softcap)
+    return _gluon_backward(dout, q, k, v, out, lse, key_mask, segments, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                           causal, softmax_scale, window_left, window_right, softcap)
 
 
 @gluon_attn_backward.register_fake
@@ -257,17 +266,18 @@ def _(dout, q, k, v, out, lse, *args):
 
 
 def _gluon_setup_context(ctx, inputs, output):
-    q, k, v, key_mask, segments, alibi_slopes = inputs[:6]
+    q, k, v, key_mask, segments, cu_q, cu_k, alibi_slopes = inputs[:8]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, segments, alibi_slopes)
-    ctx.args = inputs[6:]  # causal, scale, window edges, softcap
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, segments, cu_q, cu_k, alibi_slopes)
+    ctx.args = inputs[8:]  # causal, scale, window edges, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _gluon_grad(ctx, dout, _dlse):
-    q, k, v, out, lse, key_mask, segments, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = gluon_attn_backward(dout, q, k, v, out, lse, key_mask, segments, alibi_slopes, *ctx.args)
-    return (dq, dk, dv) + (None,) * 8
+    q, k, v, out, lse, key_mask, segments, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = gluon_attn_backward(dout, q, k, v, out, lse, key_mask, segments, cu_q, cu_k, alibi_slopes,
+                                     *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
 
 
 gluon_attn_forward.register_autograd(_gluon_grad, setup_context=_gluon_setup_context)
@@ -275,9 +285,9 @@ gluon_attn_forward.register_autograd(_gluon_grad, setup_context=_gluon_setup_con
 
 def gluon_attn(q, k, v, params: AttentionParams):
     """Differentiable `(out, lse)` of a dense `[B, S, H, D]` call, causal or not, with or without a key mask or packed
-    segments, a sliding window, a soft-cap or ALiBi (no varlen), through the Gluon forward and backward;
-    `backends.GluonBackend` says which calls qualify."""
+    segments, a sliding window, a soft-cap or ALiBi, or of a varlen one (no ALiBi there), through the Gluon forward
+    and backward; `backends.GluonBackend` says which calls qualify."""
     left, right = params.window_size
-    args = (q, k, v, params.key_mask, params.segments, params.alibi_slopes, params.causal, params.softmax_scale,
-            int(left), int(right), float(params.softcap))
+    args = (q, k, v, params.key_mask, params.segments, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
+            params.causal, params.softmax_scale, int(left), int(right), float(params.softcap))
     return _differentiable(_gluon_forward, _gluon_backward, gluon_attn_forward, args)

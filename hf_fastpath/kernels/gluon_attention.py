@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -71,7 +72,8 @@ try:  # Gluon and its Hopper module (Triton >= 3.5); without them `supported` sa
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
 
-__all__ = ["gluon_attention_forward", "supported", "HEAD_DIMS", "tile_dim", "Config", "config", "variants"]
+__all__ = ["gluon_attention_forward", "varlen_spans", "supported", "HEAD_DIMS", "tile_dim", "Config", "config",
+           "variants"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -839,12 +841,14 @@ if HAS_GLUON:
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
-    """Whether `gluon_attention_forward` takes these inputs on this machine (else the caller falls back)."""
-    return (HAS_GLUON and q.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+    """Whether `gluon_attention_forward` takes these inputs on this machine (else the caller falls back): dense
+    [B, S, H, D] or varlen [T, H, D] tensors."""
+    return (HAS_GLUON and q.is_cuda and q.dim() in (3, 4) and k.dim() == q.dim() and v.dim() == q.dim()
             and compute_major(q.device) == 9
             and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
             and tile_dim(q.shape[-1]) is not None and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
-            and k.shape == v.shape and q.shape[0] == k.shape[0] and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
+            and k.shape == v.shape and (q.dim() == 3 or q.shape[0] == k.shape[0]) and k.shape[-2] > 0
+            and q.shape[-2] % k.shape[-2] == 0)
 
 
 def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -919,6 +923,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
                             segments: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                             softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                            cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                             variant: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q.k^T * scale).v -> (out like q, lse fp32 [B, Hq, Sq] in natural log) for q [B, Sq, Hq, D] and
     k, v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Causal is aligned bottom-right, as in flash-attn. `key_mask`
@@ -926,15 +931,31 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     `flash_attention.segment_table` (Sq == Sk); `window_size` (left, right), -1 unbounded: query i sees keys
     i + Sk - Sq - left .. i + Sk - Sq + right (flash-attn's sliding window); `softcap` > 0: scores softcap *
     tanh(scores / softcap) (Gemma-2); `alibi_slopes` [Hq] or [B, Hq]: scores - slope * |i + Sk - Sq - j| (after the
-    soft-cap). Rows that see no key give 0 and lse -inf. `variant` replaces `config(D, causal)` (see `variants`)."""
+    soft-cap). Varlen: q [Tq, Hq, D], k, v [Tk, Hkv, D] and `cu_seqlens_q` / `cu_seqlens_k` [B + 1], packed alike or
+    not (chunked prefill: each sequence's queries after its cached keys), lse [Hq, Tq]; no ALiBi there
+    (`varlen_spans`). Rows that see no key give 0 and lse -inf. `variant` replaces `config(D, causal)` (see
+    `variants`)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        q4, k4, v4, (spans, _) = _varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window_size, key_mask,
+                                                segments, alibi_slopes, "gluon_attention_forward")
+        check_inputs(q4, k4, v4, softmax_scale)
+        out, lse = _forward(q4, k4, v4, False, softmax_scale, (spans, spans.stride(1), spans.stride(0), 2),
+                            (-1, -1), softcap, None, None, variant)
+        return out[0], lse[0]
     check_inputs(q, k, v, softmax_scale)
+    masks = mask_args(key_mask, segments, q.shape[0], q.shape[1], k.shape[1], q.device)
+    return _forward(q, k, v, causal, softmax_scale, masks, window_size, softcap, alibi_slopes, key_mask, variant)
+
+
+def _forward(q, k, v, causal, softmax_scale, masks, window_size, softcap, alibi_slopes, key_mask, variant):
+    """The launch of `gluon_attention_forward` for checked dense inputs; `masks`: `mask_args`' tuple."""
     if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    km, km_b, km_plane, mask_mode = mask_args(key_mask, segments, B, Sq, Sk, q.device)
+    km, km_b, km_plane, mask_mode = masks
     slopes, slopes_b = alibi_args(alibi_slopes, B, Hq, q.device)
     out = torch.empty(B, Sq, Hq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, Hq, Sq, device=q.device, dtype=torch.float32)
@@ -1001,6 +1022,80 @@ def _runs_of(key_mask: torch.Tensor, km: torch.Tensor, seq_k: int) -> torch.Tens
     """`key_runs` of a call's mask, once per mask tensor: a model's layers share one mask, and the ~8 small ops cost
     more host time than a short call's kernel (1k-token hd64 forwards measured 1.5x slower with them per call)."""
     return derived_once(_RUNS, key_mask, seq_k, lambda: key_runs(km[0, :, :seq_k]))
+
+
+def varlen_spans(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                 causal: bool = False, window_size: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen inputs as the kernels' packed-segment masks, for queries and keys packed alike or not -> (per query
+    int32 [3, 1, total_q], per key int32 [3, 1, total_k]). Planes 1 / 2 hold the keys each query sees (lo..hi-1) in
+    the first, the queries that see each key in the second; plane 0 numbers the sequences from 1 (0: no sequence).
+    Sequence i's queries cu_q[i]..cu_q[i+1]-1 see its keys cu_k[i]..cu_k[i+1]-1, causally aligned bottom-right and
+    within `window_size` as in flash-attn; both are folded into the bounds, so the kernels run these calls with
+    MASK_MODE 2 and neither CAUSAL nor WINDOW. The bounds never decrease along the queries (sequences come in order;
+    a query that sees nothing gets lo = hi), which the tile plans need, and the queries that see a key are then one
+    interval too: those whose hi > key and lo <= key. Device ops only (no host synchronisation)."""
+    device = cu_seqlens_q.device
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    left, right = _window(causal, window_size)
+    rows = torch.arange(total_q, device=device)
+    seq = torch.searchsorted(cu_q[1:], rows, right=True).clamp(max=max(cu_q.numel() - 2, 0))
+    inside = (rows >= cu_q[0]) & (rows < cu_q[-1])
+    k_start, k_end = cu_k[seq], cu_k[seq + 1]
+    diag = rows + k_end - cu_q[seq + 1]  # the key aligned with this query (bottom-right)
+    lo = k_start if left < 0 else torch.maximum(k_start, diag - left)
+    hi = k_end if right < 0 else torch.minimum(k_end, diag + right + 1)
+    outside = torch.where(rows < cu_q[0], cu_k[0], cu_k[-1])  # queries outside every sequence see nothing
+    lo = torch.where(inside, lo, outside).clamp(0, total_k)
+    hi = torch.maximum(torch.where(inside, hi, outside).clamp(0, total_k), lo)
+    keys = torch.arange(total_k, device=device)
+    q_lo = torch.searchsorted(hi, keys, right=True)  # the first query with hi > key ..
+    q_hi = torch.searchsorted(lo, keys, right=True)  # .. the last with lo <= key, plus one
+    q_seq = torch.where(inside, seq + 1, 0)
+    k_seq = torch.searchsorted(cu_k[1:], keys, right=True) + 1
+    k_seq = torch.where((keys >= cu_k[0]) & (keys < cu_k[-1]), k_seq, 0)
+    per_query = torch.stack([q_seq, lo, hi]).to(torch.int32)[:, None]
+    per_key = torch.stack([k_seq, q_lo, q_hi]).to(torch.int32)[:, None]
+    return per_query.contiguous(), per_key.contiguous()
+
+
+_SPANS: dict = {}  # varlen_spans per (cu_seqlens_q, cu_seqlens_k) pair (`derived_once`): every layer passes the same
+
+
+def _spans_of(cu_q, cu_k, total_q, total_k, causal, window_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_spans`, once per cu_seqlens pair and settings (its ~20 small ops cost more host time than a short
+    call's kernel)."""
+    key = (total_q, total_k, bool(causal), tuple(window_size), id(cu_k), cu_k._version)
+    ref, spans = derived_once(_SPANS, cu_q, key, lambda: (weakref.ref(cu_k), varlen_spans(cu_q, cu_k, total_q,
+                                                                                          total_k, causal,
+                                                                                          window_size)))
+    if ref() is not cu_k:  # another tensor took the id of the one these were made for
+        spans = varlen_spans(cu_q, cu_k, total_q, total_k, causal, window_size)
+    return spans
+
+
+def _varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window_size, key_mask, segments, alibi_slopes,
+                   caller: str) -> tuple:
+    """Varlen q, k, v [T, H, D] -> ([1, T, H, D] views, `varlen_spans`), with errors naming what varlen calls take."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError(f"{caller}: pass cu_seqlens_q and cu_seqlens_k together")
+    if key_mask is not None or segments is not None:
+        raise ValueError(f"{caller}: key_mask and segments are for dense [B, S, H, D] inputs, not with cu_seqlens")
+    if alibi_slopes is not None:
+        raise ValueError(f"{caller} takes no ALiBi with cu_seqlens (its distances shift per sequence); use "
+                         f"hf_fastpath.kernels.flash_attention for varlen ALiBi")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{caller}: with cu_seqlens, {name} must be [total_tokens, heads, head_dim]; got shape "
+                             f"{tuple(t.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in (torch.int32, torch.int64) or cu.device != q.device:
+            raise ValueError(f"{caller}: {name} must be an int32/int64 [batch + 1] tensor on {q.device}; got "
+                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{caller}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    spans = _spans_of(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal, window_size)
+    return q[None], k[None], v[None], spans
 
 
 def mask_args(key_mask, segments, batch, seq_q, seq_k, device) -> tuple:

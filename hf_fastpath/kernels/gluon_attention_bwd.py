@@ -10,8 +10,8 @@ registers spilled), gluon_attention_window.json: hd128 fwd+bwd 1.25-1.31x Triton
 with a soft-cap. Session 21: ALiBi. Session 22: `deterministic=True` (dQ tiles added in a fixed order, turn counters;
 gluon_attention_deterministic.json: 0.55-0.96x the default, so it beats the Triton backward only with a soft-cap).
 Session 24: hd256 (gluon_attention_backward_hd256.json: 1.11-1.30x our Triton backward, 0.99-1.09x FA2, 0.64-0.77x
-cuDNN; windowed / soft-capped fwd+bwd 1.18-1.48x Triton), no deterministic mode there. No varlen with different
-q / k packing.
+cuDNN; windowed / soft-capped fwd+bwd 1.18-1.48x Triton), no deterministic mode there. Session 38: varlen with
+queries and keys packed differently (`_fwd.varlen_spans`: each key's visible queries as packed-segment bounds).
 
 - preprocess: the plain-Triton `flash_attention._bwd_preprocess` (delta = rowsum(dO * O) in fp32, lse -> log2
   domain with -inf -> +inf so that rows with no visible key get P = 0);
@@ -675,7 +675,7 @@ def supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     backward takes the Gluon forward's LSE)."""
     return (_fwd.supported(q, k, v, causal) and _fwd.tile_dim(q.shape[-1], HEAD_DIMS) is not None
             and dout.shape == q.shape
-            and dout.dtype == q.dtype and dout.device == q.device and _offsets_fit(q))
+            and dout.dtype == q.dtype and dout.device == q.device and _offsets_fit(q if q.dim() == 4 else q[None]))
 
 
 def _check(dout, q, k, v, out, lse, softmax_scale) -> None:
@@ -706,17 +706,41 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              softmax_scale: float | None = None, key_mask: torch.Tensor | None = None,
                              segments: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                              softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                              deterministic: bool = False,
                              variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), shaped and typed like q, k, v, of softmax(q.k^T * scale).v for q, out, dout
     [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (GQA: dk / dv summed over each group's query heads) and lse fp32
     [B, Hq, Sq] in natural log as `gluon_attention_forward` returns it. Causal is aligned bottom-right;
-    `key_mask` / `segments` / `window_size` / `softcap` / `alibi_slopes` as in `gluon_attention_forward`.
-    `deterministic`: dQ bitwise repeatable (the key blocks add in a fixed order; else in arrival order).
-    `variant`: one of `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
+    `key_mask` / `segments` / `window_size` / `softcap` / `alibi_slopes` as in `gluon_attention_forward`, and
+    varlen calls too ([T, H, D] tensors, lse [Hq, Tq], `cu_seqlens_q` / `cu_seqlens_k`).
+    `deterministic`: dQ bitwise repeatable (the key blocks add in a fixed order; else in arrival order; not with
+    cu_seqlens). `variant`: one of `VARIANTS` (default: `DEFAULT_VARIANTS` by head dim)."""
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() in (3, 4) and q.shape[-1] > 0 else 1.0
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        q4, k4, v4, (_, key_spans) = _fwd._varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window_size,
+                                                         key_mask, segments, alibi_slopes,
+                                                         "gluon_attention_backward")
+        if deterministic:  # its turn order (`_dq_turn`) would read the keys' bounds as the queries'
+            raise ValueError("deterministic=True takes no cu_seqlens; use flash_attention_backward, which is "
+                             "deterministic (or, for queries and keys packed alike, dense inputs with `segments`)")
+        lse4 = lse[None] if lse.dim() == 2 else lse
+        _check(dout[None], q4, k4, v4, out[None], lse4, softmax_scale)
+        dq, dk, dv = _backward(dout[None], q4, k4, v4, out[None], lse4, False, softmax_scale,
+                               (key_spans, key_spans.stride(1), key_spans.stride(0), 2), (-1, -1), softcap, None,
+                               deterministic, variant)
+        return dq[0], dk[0], dv[0]
     _check(dout, q, k, v, out, lse, softmax_scale)
+    masks = _fwd.mask_args(key_mask, segments, q.shape[0], q.shape[1], k.shape[1], q.device)
+    return _backward(dout, q, k, v, out, lse, causal, softmax_scale, masks, window_size, softcap, alibi_slopes,
+                     deterministic, variant)
+
+
+def _backward(dout, q, k, v, out, lse, causal, softmax_scale, masks, window_size, softcap, alibi_slopes,
+              deterministic, variant):
+    """The launches of `gluon_attention_backward` for checked dense inputs; `masks`: `mask_args`' tuple, its table
+    read at the keys (and, `deterministic`, at the query tiles)."""
     if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
     tile = _fwd.tile_dim(q.shape[-1], HEAD_DIMS)
@@ -729,7 +753,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    km, km_b, km_plane, mask_mode = _fwd.mask_args(key_mask, segments, B, Sq, Sk, q.device)
+    km, km_b, km_plane, mask_mode = masks
     slopes, slopes_b = _fwd.alibi_args(alibi_slopes, B, Hq, q.device)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
