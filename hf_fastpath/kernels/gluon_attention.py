@@ -1036,9 +1036,11 @@ def varlen_spans(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q
     interval too: those whose hi > key and lo <= key. Device ops only (no host synchronisation)."""
     device = cu_seqlens_q.device
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    if cu_q.numel() == 1:  # no sequence: as one empty one
+        cu_q, cu_k = cu_q.repeat(2), cu_k.repeat(2)
     left, right = _window(causal, window_size)
     rows = torch.arange(total_q, device=device)
-    seq = torch.searchsorted(cu_q[1:], rows, right=True).clamp(max=max(cu_q.numel() - 2, 0))
+    seq = torch.searchsorted(cu_q[1:], rows, right=True).clamp(max=cu_q.numel() - 2)
     inside = (rows >= cu_q[0]) & (rows < cu_q[-1])
     k_start, k_end = cu_k[seq], cu_k[seq + 1]
     diag = rows + k_end - cu_q[seq + 1]  # the key aligned with this query (bottom-right)
