@@ -80,7 +80,8 @@ def build(head_dim, causal, dtype=torch.bfloat16, cfg=None, mask_mode=0, window=
 
 def cases():
     """(name, head dim, causal, dtype, config, mask mode, window, softcap[, alibi]): the defaults, the masked kernels
-    (hd128 in each mode and causality, hd64 causal), sliding window, soft-cap and ALiBi kernels, then every opt-in
+    (hd128 in each mode and causality, hd64 causal; packed full at every head dim: differently packed varlen), sliding
+    window, soft-cap and ALiBi kernels, then every opt-in
     variant of `ga.variants`."""
     for head_dim in ga.HEAD_DIMS:
         for causal in (False, True):
@@ -98,6 +99,9 @@ def cases():
         yield f"fwd hd{head_dim} causal bf16 window softcap", head_dim, True, torch.bfloat16, None, 0, True, True
     yield "fwd hd128 full bf16 window", 128, False, torch.bfloat16, None, 0, True, False
     yield "fwd hd128 causal bf16 window packed", 128, True, torch.bfloat16, None, 2, True, False
+    # varlen with queries and keys packed differently: packed, neither CAUSAL nor WINDOW (`ga.varlen_spans`)
+    for head_dim in (64, 256):
+        yield f"fwd hd{head_dim} full bf16 packed", head_dim, False, torch.bfloat16, None, 2, False, False
     yield "fwd hd128 causal bf16 window keymask softcap", 128, True, torch.bfloat16, None, 1, True, True
     # ALiBi (Falcon-RW / BLOOM / MPT): one-sided when causal (mode 2, `ga.alibi_mode`), with |i - j| when not (1)
     for head_dim, causal in ((64, True), (128, True), (128, False)):

@@ -70,7 +70,7 @@ def build(head_dim, causal, dtype, variant, mask_mode=0, window=False, softcap=F
 def cases():
     """(name, head dim, causal, dtype, variant, mask mode, window, softcap[, alibi]): every head dim, causality and
     variant in bf16, causal fp16; with each head dim's default variant, the key-mask and packed kernels causal at
-    every head dim and full at hd128, the sliding-window and soft-cap kernels (causal at every head dim; with packed
+    every head dim and full at hd128 (packed full at every head dim: differently packed varlen), the sliding-window and soft-cap kernels (causal at every head dim; with packed
     segments or soft-cap at hd128), ALiBi (causal at every head dim, full and with a key mask at hd128) and the
     deterministic dQ (causal and full where supported, with a window and packed segments at hd128)."""
     for head_dim in gb.HEAD_DIMS:
@@ -84,6 +84,9 @@ def cases():
             for mode, what in ((1, "keymask"), (2, "packed")):
                 yield (f"bwd hd{head_dim} {'causal' if causal else 'full'} bf16 {variant} {what}", head_dim,
                        causal, torch.bfloat16, variant, mode, False, False)
+        if head_dim != 128:  # differently packed varlen: packed, neither CAUSAL nor WINDOW (`varlen_spans`)
+            yield (f"bwd hd{head_dim} full bf16 {variant} packed", head_dim, False, torch.bfloat16, variant, 2, False,
+                   False)
         for what, window, softcap in (("window", True, False), ("softcap", False, True)):
             yield (f"bwd hd{head_dim} causal bf16 {variant} {what}", head_dim, True, torch.bfloat16, variant, 0,
                    window, softcap)

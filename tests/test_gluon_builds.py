@@ -34,6 +34,7 @@ def test_gluon_attention_builds_for_sm90():
             for d, kind in ((64, "causal"), (128, "causal"), (128, "full"))} <= names
     assert {f"fwd hd{d} causal bf16 {what}" for d in ga.HEAD_DIMS for what in ("window", "softcap")} <= names
     assert {"fwd hd128 causal bf16 window softcap", "fwd hd128 causal bf16 window packed"} <= names
+    assert {f"fwd hd{d} full bf16 packed" for d in ga.HEAD_DIMS} <= names  # differently packed varlen
     assert {f"fwd hd256 {kind} bf16" for kind in ("full", "causal")} | {"fwd hd256 causal bf16 window softcap"} <= names
     assert {"fwd hd64 causal bf16 alibi", "fwd hd128 causal bf16 alibi", "fwd hd128 full bf16 alibi",
             "fwd hd128 causal bf16 alibi keymask"} <= names

@@ -32,6 +32,7 @@ def test_gluon_attention_backward_builds_for_sm90():
     assert set(gb.DEFAULT_VARIANTS.values()) == {v}
     masked = {f"bwd hd{d} {kind} bf16 {v} {mask}" for mask in ("keymask", "packed")
               for d, kind in ((64, "causal"), (128, "causal"), (128, "full"), (256, "causal"))}
+    masked |= {f"bwd hd{d} full bf16 {v} packed" for d in gb.HEAD_DIMS}  # differently packed varlen
     windowed = {f"bwd hd{d} causal bf16 {v} {what}" for d in gb.HEAD_DIMS for what in ("window", "softcap")}
     windowed |= {f"bwd hd128 causal bf16 {v} {what}" for what in ("window packed", "window softcap")}
     alibi = {f"bwd hd{d} causal bf16 {v} alibi" for d in gb.HEAD_DIMS}
