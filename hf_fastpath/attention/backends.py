@@ -461,7 +461,8 @@ def _signature(q, k, v, p: AttentionParams, dropout_p, return_lse):
     sk = k.shape[-3]
     return (q.dtype, q.device, q.shape, k.shape[:-3], 1 << max(sk - 1, 0).bit_length(), q.shape[-3] == sk,
             k.shape[-2], k.shape[-1], v.shape[-1], p.causal, p.window_size, bool(p.softcap),
-            _alibi_dims(p), p.cu_seqlens_q is None, p.max_seqlen_q, p.max_seqlen_k, p.seqused_k is None,
+            _alibi_dims(p), None if p.cu_seqlens_q is None else p.cu_seqlens_q.shape[0], p.max_seqlen_q,
+            p.max_seqlen_k, p.seqused_k is None,
             p.cu_seqlens_q is p.cu_seqlens_k, p.key_mask is None, p.segments is None, dropout_p > 0, return_lse,
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
