@@ -21,7 +21,8 @@ softcap * tanh(s / softcap), tanh from exp2 (exact, one more MUFU op an element 
 BLOOM / Falcon-RW / MPT): scores - slope * |i + Sk - Sq - j|, one add an element when causal (`alibi_mode`). Head
 dims 64, 128, 256 (hd256: 64-key tiles, 2 stages), and the multiples of 8 between them at the next of those
 (`tile_dim`: 3-D descriptors whose boxes TMA zero-fills past the head dim; no copy). Rows with no visible key give
-0 and lse -inf.
+0 and lse -inf. Varlen calls (`cu_seqlens_q` / `cu_seqlens_k`, packed alike or not) run as one [1, T] row of packed
+segments whose per-query key bounds carry causality and the window (`varlen_spans`; no ALiBi there).
 Out-of-range rows come from TMA's zero fill (or the next sequence's rows, which the mask hides); only valid rows
 are stored. Tensors in, tensors out.
 
