@@ -149,7 +149,7 @@ def check(impls):
     return errors
 
 
-def bench(impls, head_dims):
+def bench(impls, head_dims, save):
     from gluon_attention import _timed  # benchmarks/gluon_attention.py: {ms, tflops} by do_bench, or {error}
 
     rows = []
@@ -175,6 +175,7 @@ def bench(impls, head_dims):
                     if peer != "gluon" and t["gluon"] and t[peer]:
                         row[phase][f"gluon_vs_{peer}"] = t[peer] / t["gluon"]
             rows.append(row)
+            save(rows)  # as it goes: a run cut short keeps its rows
             _log(f"{name} hd{d}: " + "  ".join(
                 f"{ph} " + " ".join(f"{n} {row[ph][n].get('ms', float('nan')):.3f}" for n in impls)
                 + f" (gluon x triton {row[ph].get('gluon_vs_triton', float('nan')):.2f})" for ph in ("fwd", "fwd_bwd")))
@@ -230,13 +231,16 @@ def main():
     t0 = time.time()
     impls = implementations(flex=not args.no_flex)
     errors = check(impls)
-    rows = bench(impls, args.head_dims)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=datetime.date.today().isoformat(), dtype="bf16", seconds=round(time.time() - t0, 1),
-                timing="triton.testing.do_bench median, warmup 10, rep 50")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(dict(meta=meta, rel_error_vs_fp64=errors, rows=rows), f, indent=1)
+
+    def save(rows):
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                    date=datetime.date.today().isoformat(), dtype="bf16", seconds=round(time.time() - t0, 1),
+                    timing="triton.testing.do_bench median, warmup 10, rep 50")
+        os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rel_error_vs_fp64=errors, rows=rows), f, indent=1)
+
+    bench(impls, args.head_dims, save)
     if args.plot:
         plot(args.json, args.plot)
 
