@@ -8,6 +8,7 @@ median of `triton.testing.do_bench`, after a check of each against float64 on a 
 
     python benchmarks/gluon_attention_varlen.py           # GPU: writes benchmarks/results/gluon_attention_varlen.json
     python benchmarks/gluon_attention_varlen.py --plot F  # no GPU needed: PNG beside the JSON F
+    python benchmarks/gluon_attention_varlen.py --write-table hf_fastpath/attention/dispatch_sm90.json  # its rows
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def bench(impls, head_dims, save):
                 extra["block_mask"] = flex_block_mask(seqs, causal)
             fl = 4 * hq * d * _pairs(seqs, causal)
             row = dict(case=name, head_dim=d, heads=hq, kv_heads=hkv, sequences=len(seqs), queries=total_q,
-                       keys=total_k, causal=causal)
+                       keys=total_k, max_keys=extra["max_k"], causal=causal)
             for phase, backward, mult in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
                 row[phase] = {n: _timed(lambda fn=fn: fn(q, k, v, kw, backward, do, extra), fl * mult)
                               for n, fn in impls.items()}
@@ -180,6 +181,32 @@ def bench(impls, head_dims, save):
                 f"{ph} " + " ".join(f"{n} {row[ph][n].get('ms', float('nan')):.3f}" for n in impls)
                 + f" (gluon x triton {row[ph].get('gluon_vs_triton', float('nan')):.2f})" for ph in ("fwd", "fwd_bwd")))
     return rows
+
+
+def write_table(path, table):
+    """The `varlen` rows of the dispatch table (`attention/dispatch.py`) from a results JSON: per row and phase the
+    Gluon and Triton medians, keyed as `fastpath` looks calls up (batch: sequences, kv_len: the longest sequence's
+    keys). Rows whose chunks average fewer queries than GLUON_VARLEN_MIN_QUERIES never reach the table (the Gluon
+    backend leaves them to Triton) and are left out. Earlier `varlen` rows are replaced."""
+    from hf_fastpath.attention.backends import GLUON_VARLEN_MIN_QUERIES
+
+    data = json.load(open(path))
+    rows = []
+    for r in data["rows"]:
+        if r["queries"] < GLUON_VARLEN_MIN_QUERIES * r["sequences"]:
+            continue
+        for phase, key in (("prefill", "fwd"), ("train", "fwd_bwd")):
+            t = {n: r[key].get(n, {}).get("ms") for n in ("gluon", "triton")}
+            if None not in t.values():
+                rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
+                                 causal=r["causal"], batch=r["sequences"], kv_len=r["max_keys"], varlen=True,
+                                 triton_ms=round(t["triton"], 5), gluon_ms=round(t["gluon"], 5)))
+    old = json.load(open(table))
+    old["rows"] = [r for r in old["rows"] if not r.get("varlen")] + rows
+    old["meta"]["varlen_sources"] = [os.path.relpath(path, os.path.join(os.path.dirname(table), "..", ".."))]
+    with open(table, "w") as f:
+        json.dump(old, f, indent=1)
+    _log(f"{len(rows)} varlen rows -> {table}")
 
 
 def plot(path, png):
@@ -222,7 +249,12 @@ def main():
     ap.add_argument("--plot", metavar="PNG", help="draw the JSON (--json) to this PNG; without a GPU, only that")
     ap.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take minutes)")
+    ap.add_argument("--write-table", metavar="TABLE", help="no GPU needed: put the JSON's rows into this dispatch "
+                    "table (hf_fastpath/attention/dispatch_sm90.json) as its `varlen` rows")
     args = ap.parse_args()
+    if args.write_table:
+        write_table(args.json, args.write_table)
+        return
     if args.plot and not torch.cuda.is_available():
         plot(args.json, args.plot)
         return

@@ -517,6 +517,28 @@ def test_gluon_runs_varlen_packed_differently(monkeypatch, features):
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
 
 
+def test_auto_takes_gluon_for_differently_packed_varlen_only_where_measured(install, monkeypatch):
+    # varlen calls whose queries and keys are packed differently read only the table's `varlen` rows (the masked
+    # rows time packed segments, another kernel plan): without such rows our Triton kernel; with them, the faster
+    install()
+    monkeypatch.setattr(backends, "_gluon_importable", lambda: True)
+    q = torch.empty(4 * 200, 4, 128, dtype=torch.bfloat16)
+    k = torch.empty(4 * 300, 2, 128, dtype=torch.bfloat16)
+    cu_q, cu_k = torch.arange(5, dtype=torch.int32) * 200, torch.arange(5, dtype=torch.int32) * 300
+    p = make_params(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200, max_seqlen_k=300, causal=True)
+    row = dict(PREFILL_ROW, head_dim=128, batch=4, kv_len=256)
+    _table(monkeypatch, [dict(row, triton_ms=1.0, gluon_ms=0.5, masked=True)])
+    assert select_backend("auto", q, k, k, p).name == "triton"
+    _table(monkeypatch, [dict(row, triton_ms=1.0, gluon_ms=0.5, masked=True), dict(row, triton_ms=1.0, gluon_ms=1.2,
+                                                                                   varlen=True)])
+    assert select_backend("auto", q, k, k, p).name == "triton"
+    _table(monkeypatch, [dict(row, triton_ms=1.0, gluon_ms=0.8, varlen=True)])
+    assert select_backend("auto", q, k, k, p).name == "gluon"
+    from hf_fastpath.attention import dispatch
+
+    assert "varlen" in dispatch.explain((9, 0))[0]
+
+
 def test_gluon_varlen_packed_differently_limits():
     # differently packed varlen calls: not with ALiBi (distances shift per sequence), not with short query chunks on
     # average (a 128-row query tile would load the keys of every sequence it spans); packed alike: both fine

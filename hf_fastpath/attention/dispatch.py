@@ -6,9 +6,11 @@ The tables (`dispatch_sm90.json`, ...) come from `benchmarks/attention_dispatch.
 host time included), head dim, GQA or not, causal or not, batch and key length, the median times of each kernel
 (`triton_ms`, `sdpa_ms`, and `gluon_ms` where measured), each called as it runs in a model; rows marked `masked`
 time padded and packed batches, rows marked `windowed` sliding windows and soft-capped scores, rows marked `alibi`
-ALiBi (`benchmarks/gluon_attention_masked.py`). A call takes the rows with the same phase, causality and kind (a
-windowed or ALiBi call without such rows of its phase and causality: the masked ones, then the plain ones; a masked
-or varlen call: the masked ones, then the plain ones), then the nearest head dim, GQA-ness, and (in log scale) key
+ALiBi (`benchmarks/gluon_attention_masked.py`), rows marked `varlen` varlen calls whose queries and keys are packed
+differently (`benchmarks/gluon_attention_varlen.py`). A call takes the rows with the same phase, causality and kind
+(a windowed or ALiBi call without such rows of its phase and causality: the masked ones, then the plain ones; a
+masked or varlen call packed alike: the masked ones, then the plain ones; a varlen call packed differently: only
+`varlen` rows, and our Triton kernel without them), then the nearest head dim, GQA-ness, and (in log scale) key
 length and batch.
 GPUs without a table run our kernel.
 
@@ -92,7 +94,11 @@ def _choose(key) -> str:
     if not rows:
         return "triton"
     rows = [r for r in rows if r["phase"] == phase and (phase.startswith("decode") or r["causal"] == causal)]
-    plain = [r for r in rows if not r.get("masked") and not r.get("windowed") and not r.get("alibi")]
+    if kind == "varlen":  # queries and keys packed differently: only rows measured so, else our Triton kernel
+        rows = [r for r in rows if r.get("varlen")]
+        return fastest(_nearest_row(rows, head_dim, gqa, kv_len, batch), candidates) if rows else "triton"
+    plain = [r for r in rows if not r.get("masked") and not r.get("windowed") and not r.get("alibi")
+             and not r.get("varlen")]
     masked = [r for r in rows if r.get("masked")] or plain
     if kind in ("windowed", "alibi"):
         rows = [r for r in rows if r.get(kind)] or masked
@@ -100,11 +106,14 @@ def _choose(key) -> str:
         rows = masked if kind == "masked" else plain
     if not rows:
         return "triton"
+    return fastest(_nearest_row(rows, head_dim, gqa, kv_len, batch), candidates)
+
+
+def _nearest_row(rows, head_dim, gqa, kv_len, batch):
     rows = _nearest(rows, "head_dim", head_dim)
     rows = _nearest(rows, "gqa", gqa)
     rows = _nearest(rows, "kv_len", max(kv_len, 1), log=True)
-    row = _nearest(rows, "batch", max(batch, 1), log=True)[0]
-    return fastest(row, candidates)
+    return _nearest(rows, "batch", max(batch, 1), log=True)[0]
 
 
 def _pow2(n: int) -> int:
@@ -120,8 +129,8 @@ def choose(req, candidates=("sdpa",)) -> str:
     compiling = torch.compiler.is_compiling()
     if phase == "decode" and not compiling:
         phase = "decode_eager"
-    kind = ("windowed" if req.window or req.softcap else "alibi" if req.alibi
-            else "masked" if req.key_mask or req.varlen else "")
+    kind = ("varlen" if req.varlen and not req.one_packing else "windowed" if req.window or req.softcap
+            else "alibi" if req.alibi else "masked" if req.key_mask or req.varlen else "")
     key = (tuple(req.capability), phase, req.head_dim, req.heads > req.kv_heads, req.causal, kind,
            _pow2(req.batch), _pow2(req.kv_len), tuple(candidates))
     if compiling:  # a constant at trace time; filling _CHOICES here would trip the graph's guards on the next call
@@ -139,7 +148,7 @@ def explain(capability) -> list[str]:
         return ["no measured table for this GPU: fastpath runs hf_fastpath's Triton kernel"]
     out = []
     for r in rows:
-        kind = next((f"{k} " for k in ("masked", "windowed", "alibi") if r.get(k)), "")
+        kind = next((f"{k} " for k in ("masked", "windowed", "alibi", "varlen") if r.get(k)), "")
         shape = (f"{r['phase']:7s} {kind}hd{r['head_dim']} {'GQA' if r['gqa'] else 'MHA'} "
                  f"{'causal' if r['causal'] else 'full  '} batch {r['batch']:3d} keys {r['kv_len']:6d}")
         times = ", ".join(f"{n} {r[f'{n}_ms']:.3f} ms" for n in ("triton", "gluon", "sdpa") if r.get(f"{n}_ms"))
