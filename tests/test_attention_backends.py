@@ -503,18 +503,24 @@ def test_gluon_runs_varlen_packed_differently(monkeypatch, features):
                          max_seqlen_k=9, **features)
     req = backends.Request.of(q, k, v, params)
     assert not req.one_packing and req.q_tokens == 12
-    out, lse = backends.GluonBackend().run(q, k, v, params, 0.0, True)
-    dout = torch.randn(out.shape, generator=g)
-    got = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     want_out, want_lse = reference.attention_forward(q64, k64, v64, **params.kernel_kwargs())
+    dout = torch.randn(want_out.shape, generator=g)
     want = torch.autograd.grad(want_out, (q64, k64, v64), dout.double())
-    assert lse.shape == want_lse.shape == (4, 12)
-    torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
-    seen = want_lse.isfinite()
-    torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=2e-3, rtol=2e-3)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+    left, right = params.window_size
+    op_args = (None, None, cu_q, cu_k, None, params.causal, 0.3, left, right, params.softcap)
+    for path in ("eager", "op"):  # through `_EagerAttention`, and the custom op's autograd (compiled graphs)
+        if path == "eager":
+            out, lse = backends.GluonBackend().run(q, k, v, params, 0.0, True)
+        else:
+            out, lse = ops.gluon_attn_forward(q, k, v, *op_args)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        assert lse.shape == want_lse.shape == (4, 12)
+        torch.testing.assert_close(out.double(), want_out, atol=2e-3, rtol=2e-3)
+        seen = want_lse.isfinite()
+        torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=2e-3, rtol=2e-3)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
 
 
 def test_auto_takes_gluon_for_differently_packed_varlen_only_where_measured(install, monkeypatch):
