@@ -219,39 +219,47 @@ def bench(impls, head_dims, kinds=KINDS):
     return rows
 
 
-def plot(path, png):
+def plot_phases(data, png, names, colors, label, title):
+    """Forward and forward + backward TFLOP/s side by side, a bar per implementation in `names` (colors: name ->
+    color) and row (`label(row)` names it), each Gluon bar annotated with its ratio to Triton; shared by the
+    masked and varlen benchmarks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.load(open(path))
     rows = data["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.5 * len(rows) + 2))
-    names = ("gluon", "triton", "sdpa_masked", "cudnn_no_mask")
-    colors = ("tab:red", "tab:orange", "tab:green", "tab:blue")
     for ax, phase in zip(axes, ("fwd", "fwd_bwd")):
-        labels = [f"{r['kind']} hd{r['head_dim']} b{r['batch']}x{r['seq']} {'causal' if r['causal'] else 'full'}"
-                  for r in rows]
         h = 0.8 / len(names)
-        for i, (n, c) in enumerate(zip(names, colors)):
-            vals = [r[phase][n].get("tflops", 0.0) for r in rows]
-            ax.barh([y + i * h for y in range(len(rows))], vals, height=h, color=c, label=n)
+        for i, n in enumerate(names):
+            vals = [r[phase].get(n, {}).get("tflops", 0.0) for r in rows]
+            ax.barh([y + i * h for y in range(len(rows))], vals, height=h, color=colors[n], label=n)
         for y, r in enumerate(rows):
             if "gluon_vs_triton" in r[phase]:
                 ax.annotate(f"{r[phase]['gluon_vs_triton']:.2f}x triton", (r[phase]["gluon"]["tflops"], y),
                             fontsize=6, xytext=(3, -3), textcoords="offset points")
         ax.set_yticks([y + 0.4 - h / 2 for y in range(len(rows))])
-        ax.set_yticklabels(labels, fontsize=7)
+        ax.set_yticklabels([label(r) for r in rows], fontsize=7)
         ax.set_xlabel("TFLOP/s of visible (query, key) pairs")
-        ax.set_title(f"{phase.replace('_', ' + ')}")
+        ax.set_title(phase.replace("_", " + "))
         ax.legend(fontsize=7)
         ax.grid(axis="x", alpha=0.3)
     meta = data["meta"]
-    fig.suptitle(f"Padded / packed / windowed / soft-capped / ALiBi attention, {meta['gpu']}, bf16, torch {meta['torch']}, "
-                 f"triton {meta['triton']}")
+    fig.suptitle(f"{title}, {meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(png, dpi=90)
+
+
+def plot(path, png):
+    names = ("gluon", "triton", "sdpa_masked", "cudnn_no_mask")
+    colors = dict(zip(names, ("tab:red", "tab:orange", "tab:green", "tab:blue")))
+
+    def label(r):
+        return f"{r['kind']} hd{r['head_dim']} b{r['batch']}x{r['seq']} {'causal' if r['causal'] else 'full'}"
+
+    plot_phases(json.load(open(path)), png, names, colors, label,
+                "Padded / packed / windowed / soft-capped / ALiBi attention")
 
 
 def main():

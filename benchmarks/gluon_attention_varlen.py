@@ -210,37 +210,14 @@ def write_table(path, table):
 
 
 def plot(path, png):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from gluon_attention_masked import plot_phases
 
     data = json.load(open(path))
-    rows = data["rows"]
-    names = [n for n in ("gluon", "triton", "fa2", "flex") if any(n in r["fwd"] for r in rows)]
+    names = [n for n in ("gluon", "triton", "fa2", "flex") if any(n in r["fwd"] for r in data["rows"])]
     colors = dict(gluon="tab:red", triton="tab:orange", fa2="tab:purple", flex="tab:green")
-    fig, axes = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 2))
-    for ax, phase in zip(axes, ("fwd", "fwd_bwd")):
-        labels = [f"{r['case']} hd{r['head_dim']} {'causal' if r['causal'] else 'full'}" for r in rows]
-        h = 0.8 / len(names)
-        for i, n in enumerate(names):
-            vals = [r[phase].get(n, {}).get("tflops", 0.0) for r in rows]
-            ax.barh([y + i * h for y in range(len(rows))], vals, height=h, color=colors[n], label=n)
-        for y, r in enumerate(rows):
-            if "gluon_vs_triton" in r[phase]:
-                ax.annotate(f"{r[phase]['gluon_vs_triton']:.2f}x triton", (r[phase]["gluon"]["tflops"], y),
-                            fontsize=6, xytext=(3, -3), textcoords="offset points")
-        ax.set_yticks([y + 0.4 - h / 2 for y in range(len(rows))])
-        ax.set_yticklabels(labels, fontsize=7)
-        ax.set_xlabel("TFLOP/s of visible (query, key) pairs")
-        ax.set_title(phase.replace("_", " + "))
-        ax.legend(fontsize=7)
-        ax.grid(axis="x", alpha=0.3)
-    meta = data["meta"]
-    fig.suptitle(f"Varlen attention, queries and keys packed differently, {meta['gpu']}, bf16, torch {meta['torch']}, "
-                 f"triton {meta['triton']}")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(png, dpi=90)
+    plot_phases(data, png, names, colors,
+                lambda r: f"{r['case']} hd{r['head_dim']} {'causal' if r['causal'] else 'full'}",
+                "Varlen attention, queries and keys packed differently")
 
 
 def main():
