@@ -322,6 +322,11 @@ def write_table(path):
         if os.path.exists(os.path.join(here, name)):
             rows += _gluon_rows(os.path.join(here, name), kind)
             meta.setdefault(f"{kind}_sources", []).append("benchmarks/results/" + name)
+    if os.path.exists(os.path.join(here, "gluon_attention_varlen.json")):  # queries and keys packed differently
+        from gluon_attention_varlen import varlen_rows
+
+        rows += varlen_rows(os.path.join(here, "gluon_attention_varlen.json"))
+        meta["varlen_sources"] = ["benchmarks/results/gluon_attention_varlen.json"]
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf_fastpath", "attention",
                        f"dispatch_sm{cap[0]}{cap[1]}.json")
     with open(out, "w") as f:

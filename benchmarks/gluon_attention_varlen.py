@@ -34,7 +34,7 @@ def _log(*a):
 
 def cases():
     """(name, [(queries, keys) per sequence], causal): chunks of 1k / 2k queries after 3k / 14k cached keys, mixed
-    chunks and prefixes, short chunks at and below the Gluon backend's GLUON_VARLEN_MIN_QUERIES (128), and a
+    chunks and prefixes, short chunks at and below the Gluon backend's GLUON_VARLEN_MIN_QUERIES (64), and a
     non-causal cross-attention batch."""
     g = torch.Generator().manual_seed(0)
     mixed = []
@@ -183,16 +183,15 @@ def bench(impls, head_dims, save):
     return rows
 
 
-def write_table(path, table):
+def varlen_rows(path):
     """The `varlen` rows of the dispatch table (`attention/dispatch.py`) from a results JSON: per row and phase the
     Gluon and Triton medians, keyed as `fastpath` looks calls up (batch: sequences, kv_len: the longest sequence's
     keys). Rows whose chunks average fewer queries than GLUON_VARLEN_MIN_QUERIES never reach the table (the Gluon
-    backend leaves them to Triton) and are left out. Earlier `varlen` rows are replaced."""
+    backend leaves them to Triton) and are left out."""
     from hf_fastpath.attention.backends import GLUON_VARLEN_MIN_QUERIES
 
-    data = json.load(open(path))
     rows = []
-    for r in data["rows"]:
+    for r in json.load(open(path))["rows"]:
         if r["queries"] < GLUON_VARLEN_MIN_QUERIES * r["sequences"]:
             continue
         for phase, key in (("prefill", "fwd"), ("train", "fwd_bwd")):
@@ -201,11 +200,18 @@ def write_table(path, table):
                 rows.append(dict(phase=phase, head_dim=r["head_dim"], gqa=r["heads"] > r["kv_heads"],
                                  causal=r["causal"], batch=r["sequences"], kv_len=r["max_keys"], varlen=True,
                                  triton_ms=round(t["triton"], 5), gluon_ms=round(t["gluon"], 5)))
+    return rows
+
+
+def write_table(path, table):
+    """Replace the dispatch table's `varlen` rows by `varlen_rows(path)` (`attention_dispatch.py`, which rewrites
+    the whole table, takes them from the same file)."""
+    rows = varlen_rows(path)
     old = json.load(open(table))
     old["rows"] = [r for r in old["rows"] if not r.get("varlen")] + rows
     old["meta"]["varlen_sources"] = [os.path.relpath(path, os.path.join(os.path.dirname(table), "..", ".."))]
     with open(table, "w") as f:
-        json.dump(old, f, indent=1)
+        json.dump(old, f, indent=0)  # the table's own formatting (attention_dispatch.py)
     _log(f"{len(rows)} varlen rows -> {table}")
 
 

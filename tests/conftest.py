@@ -13,6 +13,19 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled floating tensors: memory a kernel leaves unwritten shows (fresh CPU pages are
+    zeros, which would hide it)."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module of thousands of tiny ops: thread hand-offs cost more than they save (badly

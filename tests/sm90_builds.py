@@ -16,13 +16,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from hf_fastpath.kernels import flash_attention as fa  # noqa: E402
+from hf_fastpath.kernels import varlen_gaps  # noqa: E402
 from hf_fastpath.kernels import w4a16  # noqa: E402
 from hf_fastpath.kernels.launch import COMPILE_OPTIONS  # noqa: E402
 
 POINTERS = {"LSE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
             "SEQUSED_K": "*i32", "KEY_MASK": "*i32", "QS": "*fp32", "DOS": "*fp32", "KS": "*fp32",
             "Q8T": "*fp8e4nv", "DO8T": "*fp8e4nv", "K8T": "*fp8e4nv"}
-FLOATS = ("sm_scale", "scale_log2", "softcap")
+FLOATS = ("sm_scale", "scale_log2", "softcap", "value")
 
 
 def build(fn, constexprs, num_warps, num_stages, pointers=None):
@@ -76,6 +77,13 @@ def cases():
                                 MASK_MODE=mode), w, st, ptrs)
 
 
+def fill_cases():
+    """The varlen gap fill (`varlen_gaps._fill_outside_kernel`) on a 16-bit output and an fp32 LSE, at its GPU tiles."""
+    for dtype in ("bf16", "fp32"):
+        yield (f"fill outside sequences {dtype}", varlen_gaps._fill_outside_kernel, dict(BLOCK_R=64, BLOCK_C=256), 4,
+               1, {"x_ptr": f"*{dtype}", "cu_ptr": "*i32"})
+
+
 def w4a16_cases():
     """The W4A16 decode kernel (`w4a16._decode_kernel`) with the configs its planner picks on an H100 (132 SMs) for
     Llama-3-8B / Mixtral shapes: 1-64 rows, split-K, gate and up side by side (SEGMENTED), a mixture of experts'
@@ -96,7 +104,7 @@ def w4a16_cases():
 
 def main():
     only = sys.argv[1:]
-    for name, fn, constexprs, warps, stages, pointers in (*cases(), *w4a16_cases()):
+    for name, fn, constexprs, warps, stages, pointers in (*cases(), *fill_cases(), *w4a16_cases()):
         if only and not any(o in name for o in only):
             continue
         try:

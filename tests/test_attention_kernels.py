@@ -128,6 +128,26 @@ def test_varlen_queries_without_keys_give_zero_not_nan():
     assert torch.all(grads[0][:4] == 0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_tokens_outside_every_sequence(nan_empty, causal):
+    # tokens before cu_seqlens[0] and from cu_seqlens[-1] on (a packed batch padded to a fixed length): no program
+    # covers them, yet they must come back as out 0, lse -inf and zero gradients, not as whatever memory held
+    # (the GPU test of session 39 caught NaN gradients there)
+    q, k, v, kw = _varlen([17, 0, 5], [20, 3, 5], 4, 2, 32)
+    pad_q, pad_k = (2, 19), (3, 4)
+    q, k, v = (torch.cat([_rand(a, *x.shape[1:]), x, _rand(b, *x.shape[1:])])
+               for x, (a, b) in ((q, pad_q), (k, pad_k), (v, pad_k)))
+    kw["cu_seqlens_q"] = kw["cu_seqlens_q"] + pad_q[0]
+    kw["cu_seqlens_k"] = kw["cu_seqlens_k"] + pad_k[0]
+    out, lse, (dq, dk, dv) = _compare(q, k, v, causal=causal, **kw)
+    outside_q = torch.ones(q.shape[0], dtype=torch.bool)
+    outside_q[pad_q[0]:q.shape[0] - pad_q[1]] = False
+    outside_k = torch.ones(k.shape[0], dtype=torch.bool)
+    outside_k[pad_k[0]:k.shape[0] - pad_k[1]] = False
+    assert torch.all(out[outside_q] == 0) and torch.all(torch.isneginf(lse[:, outside_q]))
+    assert torch.all(dq[outside_q] == 0) and torch.all(dk[outside_k] == 0) and torch.all(dv[outside_k] == 0)
+
+
 def test_fully_masked_rows_forward_and_backward():
     # Sq > Sk and causal: the first Sq - Sk query rows see no key at all
     q, k, v = _dense(1, 40, 9, 2, 2, 32)

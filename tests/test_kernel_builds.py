@@ -20,4 +20,4 @@ def test_triton_kernels_build_for_sm90():
     names = {b["name"] for b in builds}
     assert {"fwd decode hd256 bf16", "fwd hd128 mask2 bf16", "dkdv hd128 mask2 bf16", "dq hd256 mask1 fp32",
             "w4a16 decode m16 4096x14336 g128 segmented experts",
-            "w4a16 decode m1 4096x4096 g32 split experts"} <= names
+            "w4a16 decode m1 4096x4096 g32 split experts", "fill outside sequences bf16"} <= names

@@ -168,6 +168,21 @@ def test_bf16_mode_of_the_kernel_is_exact_attention():
     torch.testing.assert_close(lse, rl[0], atol=1e-4, rtol=1e-5)
 
 
+def test_queries_outside_every_sequence_are_zero(nan_empty):
+    # queries before cu_seqlens_q[0] and from cu_seqlens_q[-1] on get no program: out 0 and lse -inf, whatever the
+    # memory held
+    q, k, v = torch.randn(45, 4, 64), torch.randn(50, 2, 64), torch.randn(50, 2, 64)
+    cq, ck = torch.tensor([3, 20, 40], dtype=torch.int32), torch.tensor([0, 30, 50], dtype=torch.int32)
+    out, lse = kla.lowbit_flash_forward(q, None, k, None, kla.transpose_v(v), None, cu_seqlens_q=cq,
+                                        cu_seqlens_k=ck, max_seqlen_q=20, causal=True, out_dtype=torch.float32)
+    outside = torch.ones(45, dtype=torch.bool)
+    outside[3:40] = False
+    assert torch.all(out[outside] == 0) and torch.all(torch.isneginf(lse[:, outside]))
+    for a, b, c, d in ((3, 20, 0, 30), (20, 40, 30, 50)):
+        ro, rl = reference.attention_forward(q[None, a:b], k[None, c:d], v[None, c:d], causal=True)
+        torch.testing.assert_close(out[a:b], ro[0], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
 def test_fused_quantizer_matches_torch_reference(fmt):
     x = torch.randn(2, 2, 40, 3, 64).mul(torch.logspace(-2, 2, 40)[None, None, :, None, None])[:, 0]  # strided

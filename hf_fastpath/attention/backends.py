@@ -348,8 +348,10 @@ def _gluon_importable() -> bool:
 
 
 # varlen calls with queries and keys packed differently and fewer queries a sequence than this (decode-like chunks)
-# stay on Triton, whose programs take one sequence each: a Gluon query tile (128 rows) would span several sequences
-GLUON_VARLEN_MIN_QUERIES = 128
+# stay on Triton, whose programs take one sequence each: a Gluon query tile (128 rows) spans several sequences. 64 is
+# the shortest chunk measured (`gluon_attention_varlen.json`, 2k keys: Gluon 1.10-1.29x Triton fwd, 1.30-2.14x
+# fwd+bwd); below it is unmeasured
+GLUON_VARLEN_MIN_QUERIES = 64
 
 
 class GluonBackend:

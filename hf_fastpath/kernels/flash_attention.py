@@ -26,6 +26,7 @@ from .device import compute_major, num_sms, on_input_device
 from .launch import launch_cached
 from .row_quant import _to_e4m3, quantize_e4m3_rows
 from .split_kv import merge_splits
+from .varlen_gaps import fill_outside_sequences
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "segment_table", "cu_seqlens_segment_ids"]
 
@@ -1005,6 +1006,9 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
     if splits > 1:
         merge_splits(o_dst, l_dst, out, lse, num_splits=splits, part_strides=(o_dst.stride(0), o_dst.stride(3)),
                      lse_part_strides=(l_dst.stride(0), 1), lse_log2=False)
+    if varlen:  # queries outside every sequence: no program wrote them
+        fill_outside_sequences(out, cu_seqlens_q)
+        fill_outside_sequences(lse, cu_seqlens_q, float("-inf"), dim=1)
     return out, lse
 
 
@@ -1077,4 +1081,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
                    *_strides4(dq, varlen), *l_strides, stride_slope_b, stride_mask_b, stride_mask_plane, dense_q,
                    dense_k, hq // hkv, scale, scale * LOG2E, float(softcap), left, right),
                   dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
+    if varlen:  # tokens outside every sequence: no program wrote their gradients
+        fill_outside_sequences(dq, cu_seqlens_q)
+        fill_outside_sequences(dk, cu_seqlens_k)
+        fill_outside_sequences(dv, cu_seqlens_k)
     return dq, dk, dv

@@ -46,6 +46,7 @@ from .common import cdiv, interpreting, next_pow2
 from .device import on_input_device
 from .launch import COMPILE_OPTIONS
 from .row_quant import _ceil_exp2, _load_hadamard, _rotate_rows, _round_e4m3_nonneg, hadamard_pm1
+from .varlen_gaps import fill_outside_sequences
 
 __all__ = ["lowbit_flash_forward", "lowbit_attention_emulated", "transpose_v", "P_SCALE"]
 
@@ -409,8 +410,11 @@ def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, c
         _check_mx_operands(q, q_scale, k, k_scale, d, vt.dtype)
     if rotate and (d < 32 or d & (d - 1)):
         raise ValueError(f"rotate needs a power-of-two head dim >= 32, got {d}")
-    return _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
-                   softmax_scale, p_fp4, out_dtype, rotate, key_starts_aligned)
+    out, lse = _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
+                       softmax_scale, p_fp4, out_dtype, rotate, key_starts_aligned)
+    fill_outside_sequences(out, cu_seqlens_q)  # queries outside every sequence: no program wrote them
+    fill_outside_sequences(lse, cu_seqlens_q, float("-inf"), dim=1)
+    return out, lse
 
 
 def _check_mx_operands(q, q_blocks, k, k_blocks, d, v_dtype):
