@@ -23,7 +23,7 @@ from hf_fastpath.kernels.launch import COMPILE_OPTIONS  # noqa: E402
 POINTERS = {"LSE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
             "SEQUSED_K": "*i32", "KEY_MASK": "*i32", "QS": "*fp32", "DOS": "*fp32", "KS": "*fp32",
             "Q8T": "*fp8e4nv", "DO8T": "*fp8e4nv", "K8T": "*fp8e4nv"}
-FLOATS = ("sm_scale", "scale_log2", "softcap", "value")
+FLOATS = ("sm_scale", "scale_log2", "softcap", "x_value", "y_value")
 
 
 def build(fn, constexprs, num_warps, num_stages, pointers=None):
@@ -78,10 +78,12 @@ def cases():
 
 
 def fill_cases():
-    """The varlen gap fill (`varlen_gaps._fill_outside_kernel`) on a 16-bit output and an fp32 LSE, at its GPU tiles."""
+    """The varlen gap fill (`varlen_gaps._fill_outside_kernel`): an output and its fp32 LSE in one launch, at its
+    GPU tiles."""
     for dtype in ("bf16", "fp32"):
-        yield (f"fill outside sequences {dtype}", varlen_gaps._fill_outside_kernel, dict(BLOCK_R=64, BLOCK_C=256), 4,
-               1, {"x_ptr": f"*{dtype}", "cu_ptr": "*i32"})
+        yield (f"fill outside sequences {dtype}", varlen_gaps._fill_outside_kernel,
+               dict(HAS_Y=True, BLOCK_R=64, BLOCK_C=256), 4, 1,
+               {"x_ptr": f"*{dtype}", "y_ptr": "*fp32", "cu_ptr": "*i32"})
 
 
 def w4a16_cases():

@@ -22,12 +22,19 @@ def test_only_rows_outside_change(offsets, dtype):
     outside[offsets[0]:offsets[-1]] = False
     want_x[outside] = 0
     want_lse[:, outside] = float("-inf")
-    fill_outside_sequences(x, cu)
-    fill_outside_sequences(lse, cu, float("-inf"), dim=1)
+    fill_outside_sequences(cu, (x, 0.0, 0), (lse, float("-inf"), 1))
     assert torch.equal(x, want_x) and torch.equal(lse, want_lse)
+    one = torch.randn(40, 7)  # one target alone
+    want_one = one.clone()
+    want_one[outside] = 0
+    fill_outside_sequences(cu, (one, 0.0, 0))
+    assert torch.equal(one, want_one)
 
 
 def test_refuses_a_tensor_it_would_copy():
     x = torch.zeros(8, 4, 6).transpose(1, 2)  # the non-token dims do not flatten to one stride
     with pytest.raises(ValueError, match="one stride"):
-        fill_outside_sequences(x, torch.tensor([2, 5], dtype=torch.int32))
+        fill_outside_sequences(torch.tensor([2, 5], dtype=torch.int32), (x, 0.0, 0))
+    with pytest.raises(ValueError, match="as many tokens"):
+        fill_outside_sequences(torch.tensor([2, 5], dtype=torch.int32), (torch.zeros(8, 3), 0.0, 0),
+                               (torch.zeros(9, 3), 0.0, 0))

@@ -1007,8 +1007,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, cu_seq
         merge_splits(o_dst, l_dst, out, lse, num_splits=splits, part_strides=(o_dst.stride(0), o_dst.stride(3)),
                      lse_part_strides=(l_dst.stride(0), 1), lse_log2=False)
     if varlen:  # queries outside every sequence: no program wrote them
-        fill_outside_sequences(out, cu_seqlens_q)
-        fill_outside_sequences(lse, cu_seqlens_q, float("-inf"), dim=1)
+        fill_outside_sequences(cu_seqlens_q, (out, 0.0, 0), (lse, float("-inf"), 1))
     return out, lse
 
 
@@ -1082,7 +1081,6 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_s
                    dense_k, hq // hkv, scale, scale * LOG2E, float(softcap), left, right),
                   dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     if varlen:  # tokens outside every sequence: no program wrote their gradients
-        fill_outside_sequences(dq, cu_seqlens_q)
-        fill_outside_sequences(dk, cu_seqlens_k)
-        fill_outside_sequences(dv, cu_seqlens_k)
+        fill_outside_sequences(cu_seqlens_q, (dq, 0.0, 0))
+        fill_outside_sequences(cu_seqlens_k, (dk, 0.0, 0), (dv, 0.0, 0))
     return dq, dk, dv

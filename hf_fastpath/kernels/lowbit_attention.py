@@ -412,8 +412,8 @@ def lowbit_flash_forward(q, q_scale, k, k_scale, vt, v_scale, *, cu_seqlens_q, c
         raise ValueError(f"rotate needs a power-of-two head dim >= 32, got {d}")
     out, lse = _launch(q, q_scale, k, k_scale, vt, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
                        softmax_scale, p_fp4, out_dtype, rotate, key_starts_aligned)
-    fill_outside_sequences(out, cu_seqlens_q)  # queries outside every sequence: no program wrote them
-    fill_outside_sequences(lse, cu_seqlens_q, float("-inf"), dim=1)
+    # queries outside every sequence: no program wrote them
+    fill_outside_sequences(cu_seqlens_q, (out, 0.0, 0), (lse, float("-inf"), 1))
     return out, lse
 
 
