@@ -181,6 +181,7 @@ def test_queries_outside_every_sequence_are_zero(nan_empty):
     for a, b, c, d in ((3, 20, 0, 30), (20, 40, 30, 50)):
         ro, rl = reference.attention_forward(q[None, a:b], k[None, c:d], v[None, c:d], causal=True)
         torch.testing.assert_close(out[a:b], ro[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[:, a:b], rl[0], atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
